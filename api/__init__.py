@@ -1,0 +1,1 @@
+"""The REST front end: accepts, validates, authorises and reads. It never trains."""

@@ -1,0 +1,40 @@
+"""Request dependencies as Annotated aliases. The session dependency owns the transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session
+
+from ortune.db.session import session_factory
+from ortune.settings import Settings
+from ortune.storage import ObjectStore
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    session = session_factory(request.app.state.settings.database_url)()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def get_store(request: Request) -> ObjectStore:
+    store: ObjectStore = request.app.state.store
+    return store
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+SessionDep = Annotated[Session, Depends(get_session)]
+StoreDep = Annotated[ObjectStore, Depends(get_store)]

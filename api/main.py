@@ -1,0 +1,29 @@
+"""The FastAPI app: routers per resource, one error handler, settings and the store on app.state."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from api import errors
+from api.routes import files, health, jobs, models
+from ortune import __version__
+from ortune.settings import Settings, get_settings
+from ortune.storage import open_store
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    app = FastAPI(title="ortune", version=__version__,
+                  description="Managed fine-tuning jobs in OpenAI's REST shapes, trained with ONNX Runtime.")
+    app.state.settings = settings
+    app.state.store = open_store(settings.storage_url, access_key=settings.s3_access_key,
+                                 secret_key=settings.s3_secret_key, region=settings.s3_region)
+    errors.install(app)
+    for module in (files, jobs, models, health):
+        app.include_router(module.router)
+    return app
+
+
+def app() -> FastAPI:
+    """Factory for `uvicorn --factory api.main:app`."""
+    return create_app()

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
+
+from api.deps import SettingsDep
+from ortune.db.session import make_engine
+from ortune.queue import ping_broker
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    """The process is up."""
+    return {"status": "ok"}
+
+
+def _check_db(url: str) -> None:
+    with make_engine(url).connect() as conn:
+        conn.execute(text("SELECT 1"))
+
+
+@router.get("/readyz", responses={503: {"description": "a dependency is down"}})
+async def readyz(request: Request, settings: SettingsDep) -> JSONResponse:
+    """Database, broker and storage all answer."""
+    checks: dict[str, Any] = {}
+    probes = {
+        "database": lambda: _check_db(settings.database_url),
+        "broker": lambda: ping_broker(settings),
+        "storage": request.app.state.store.ping,
+    }
+    for name, probe in probes.items():
+        try:
+            await asyncio.wait_for(asyncio.to_thread(probe), timeout=5)
+            checks[name] = "ok"
+        except Exception as exc:
+            checks[name] = f"error: {type(exc).__name__}: {exc}"[:300]
+    ok = all(v == "ok" for v in checks.values())
+    return JSONResponse({"status": "ok" if ok else "unavailable", "checks": checks},
+                        status_code=200 if ok else 503, headers=None if ok else {"Retry-After": "5"})

@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response, StreamingResponse
+
+from api.deps import SessionDep, SettingsDep, StoreDep
+from api.errors import APIError, NotFound
+from api.schemas import (
+    ArtifactObject,
+    CheckpointObject,
+    FineTuningJob,
+    JobCreate,
+    JobEventObject,
+    MetricsObject,
+    Page,
+    Series,
+)
+from api.services import artifacts, jobs
+from ortune.db.repositories import (
+    ArtifactRepository,
+    CheckpointRepository,
+    EventRepository,
+    JobRepository,
+    MetricRepository,
+)
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+Limit = Annotated[int, Query(ge=1, le=100)]
+
+
+@router.post("", response_model=FineTuningJob)
+def create_job(req: JobCreate, session: SessionDep, settings: SettingsDep) -> FineTuningJob:
+    """Create a fine-tuning job; it is queued once the request commits."""
+    return FineTuningJob.of(jobs.create(session, settings, req))
+
+
+@router.get("", response_model=Page[FineTuningJob])
+def list_jobs(session: SessionDep, after: str | None = None, limit: Limit = 20) -> Page[FineTuningJob]:
+    """List jobs, newest first, in cursor pages."""
+    rows, more = JobRepository(session).list(after=after, limit=limit)
+    data = [FineTuningJob.of(j) for j in rows]
+    return Page(data=data, has_more=more, first_id=data[0].id if data else None,
+                last_id=data[-1].id if data else None)
+
+
+@router.get("/{job_id}", response_model=FineTuningJob)
+def retrieve_job(job_id: str, session: SessionDep) -> FineTuningJob:
+    """Retrieve a job with its status, progress and the backend that ran it."""
+    return FineTuningJob.of(jobs.get(session, job_id))
+
+
+@router.post("/{job_id}/cancel", response_model=FineTuningJob)
+def cancel_job(job_id: str, session: SessionDep) -> FineTuningJob:
+    """Cancel a job that has not finished; a running one stops within seconds."""
+    return FineTuningJob.of(jobs.cancel(session, job_id))
+
+
+@router.get("/{job_id}/events", response_model=Page[JobEventObject])
+def list_events(job_id: str, session: SessionDep, after: str | None = None,
+                limit: Limit = 20) -> Page[JobEventObject]:
+    """Events newest first; `after` is the id of the last event seen (ftevent-N)."""
+    jobs.get(session, job_id)
+    cursor = None
+    if after is not None:
+        raw = after.removeprefix("ftevent-")
+        if not raw.isdigit():
+            raise APIError(f"after must be an event id like ftevent-123, got {after!r}", param="after")
+        cursor = int(raw)
+    rows, more = EventRepository(session).list(job_id, after=cursor, limit=limit)
+    data = [JobEventObject.of(e) for e in rows]
+    return Page(data=data, has_more=more, first_id=data[0].id if data else None,
+                last_id=data[-1].id if data else None)
+
+
+@router.get("/{job_id}/checkpoints", response_model=Page[CheckpointObject])
+def list_checkpoints(job_id: str, session: SessionDep, after: str | None = None,
+                     limit: Limit = 10) -> Page[CheckpointObject]:
+    """Checkpoints stored in object storage, latest step first."""
+    job = jobs.get(session, job_id)
+    rows, more = CheckpointRepository(session).list(job_id, after=after, limit=limit)
+    data = [CheckpointObject.of(c, job.model) for c in rows]
+    return Page(data=data, has_more=more, first_id=data[0].id if data else None,
+                last_id=data[-1].id if data else None)
+
+
+@router.get("/{job_id}/metrics", response_model=MetricsObject)
+def metrics(job_id: str, session: SessionDep, name: Annotated[list[str] | None, Query()] = None,
+            max_points: Annotated[int, Query(ge=2, le=20000)] = 1000) -> MetricsObject:
+    """Metric series for charts, downsampled on the server to at most `max_points` per series."""
+    jobs.get(session, job_id)
+    series = MetricRepository(session).series(job_id, name)
+    data, downsampled = {}, False
+    for key, points in series.items():
+        if len(points) > max_points:
+            points, downsampled = artifacts.downsample(points, max_points), True
+        data[key] = Series(steps=[s for s, _ in points], values=[v for _, v in points])
+    return MetricsObject(job_id=job_id, data=data, downsampled=downsampled)
+
+
+@router.get("/{job_id}/artifacts", response_model=list[ArtifactObject])
+def list_artifacts(job_id: str, session: SessionDep) -> list[ArtifactObject]:
+    """The job's downloadable models with their manifests."""
+    jobs.get(session, job_id)
+    return [ArtifactObject.of(a) for a in ArtifactRepository(session).for_job(job_id)]
+
+
+@router.get("/{job_id}/artifacts/{fmt}", response_class=StreamingResponse,
+            responses={200: {"content": {"application/x-tar": {}}}, 206: {"description": "Partial content"}})
+def download_artifact(job_id: str, fmt: Literal["pytorch", "onnx"], request: Request, session: SessionDep,
+                      store: StoreDep) -> Response:
+    """Download the model as a tar archive, with its sha256 in headers and Range support."""
+    jobs.get(session, job_id)
+    artifact = ArtifactRepository(session).get(job_id, fmt)
+    if artifact is None:
+        raise NotFound(f"job {job_id} has no {fmt} artifact (yet)", param="format", code="artifact_not_found")
+    return artifacts.stream(store, artifact, request.headers.get("range"))

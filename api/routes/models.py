@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api.deps import SessionDep, SettingsDep
+from api.errors import NotFound
+from api.schemas import ModelObject, Page
+from ortune.db.repositories import JobRepository
+from trainer_core import registry
+
+router = APIRouter(prefix="/v1/models", tags=["models"])
+
+
+def _all(session: SessionDep, settings: SettingsDep) -> list[ModelObject]:
+    base = [ModelObject(id=m.id, created=0, owned_by=f"ortune:{m.source}", tasks=list(m.tasks))
+            for m in registry.list_models(settings.models_dir)]
+    tuned = [ModelObject(id=name, created=int(at.timestamp()), owned_by="ortune:fine-tuned")
+             for name, at in JobRepository(session).fine_tuned_models()]
+    return base + tuned
+
+
+@router.get("", response_model=Page[ModelObject])
+def list_models(session: SessionDep, settings: SettingsDep) -> Page[ModelObject]:
+    """Base models this deployment can fine-tune, and the fine-tuned ones."""
+    return Page(data=_all(session, settings))
+
+
+@router.get("/{model_id:path}", response_model=ModelObject)
+def retrieve_model(model_id: str, session: SessionDep, settings: SettingsDep) -> ModelObject:
+    """One model by id."""
+    for model in _all(session, settings):
+        if model.id == model_id:
+            return model
+    raise NotFound(f"no model with id {model_id!r}", param="model", code="model_not_found")

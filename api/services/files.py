@@ -1,0 +1,77 @@
+"""Files: check an upload row by row, then store it. A file that fails the check is kept with
+status `error` and details naming the lines, as OpenAI reports a file that failed processing."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from sqlalchemy.orm import Session
+
+from api.errors import APIError, Conflict, NotFound
+from api.services.uploads import Upload
+from ortune.db.base import new_id
+from ortune.db.models import File, FileStatus
+from ortune.db.repositories import FileRepository
+from ortune.settings import Settings
+from ortune.storage import ObjectStore
+from trainer_core import rows
+
+PURPOSES = ("fine-tune",)
+
+
+def _validate_form(upload: Upload) -> tuple[str, str, str | None]:
+    purpose = upload.fields.get("purpose")
+    if upload.path is None or upload.filename is None:
+        raise APIError("missing required field 'file'", param="file", code="invalid_upload")
+    if purpose is None:
+        raise APIError("missing required field 'purpose'", param="purpose", code="invalid_upload")
+    if purpose not in PURPOSES:
+        raise APIError(f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}", param="purpose",
+                       code="invalid_purpose")
+    fmt = rows.file_format(upload.filename)
+    if fmt is None:
+        raise APIError(f"{upload.filename!r}: unsupported file type; upload .jsonl or .csv", param="file",
+                       code="invalid_file_format")
+    task = upload.fields.get("task") or None
+    if task is not None and task not in rows.TASK_KINDS:
+        raise APIError(f"task must be one of {', '.join(rows.TASK_KINDS)}", param="task", code="invalid_task")
+    return purpose, fmt, task
+
+
+async def create(session: Session, store: ObjectStore, settings: Settings, upload: Upload) -> File:
+    try:
+        purpose, fmt, task = _validate_form(upload)
+        assert upload.path is not None and upload.filename is not None
+        path: Path = upload.path
+        report = await asyncio.to_thread(rows.check_file, path, fmt, max_rows=settings.max_rows, task=task)
+        file_id = new_id("file")
+        key = f"files/{file_id}.{fmt}"
+        await asyncio.to_thread(store.put_path, key, path)
+    finally:
+        if upload.path is not None:
+            upload.path.unlink(missing_ok=True)
+    labels = sorted(report.labels, key=str) if report.kind == "text_label" else None
+    file = File(
+        id=file_id, filename=Path(upload.filename).name[:255] or "upload", purpose=purpose, bytes=upload.size,
+        sha256=upload.sha256, object_key=key, status=FileStatus.processed if report.ok else FileStatus.error,
+        status_details=report.details(), row_kind=report.kind, row_count=report.rows, labels=labels,
+    )
+    return FileRepository(session).add(file)
+
+
+def get(session: Session, file_id: str) -> File:
+    file = FileRepository(session).get(file_id)
+    if file is None:
+        raise NotFound(f"no file with id {file_id!r}", param="file_id", code="file_not_found")
+    return file
+
+
+def delete(session: Session, store: ObjectStore, file_id: str) -> None:
+    repo = FileRepository(session)
+    file = get(session, file_id)
+    if repo.in_use(file_id):
+        raise Conflict(f"file {file_id} is used by a job that has not finished; cancel it first",
+                       param="file_id", code="file_in_use")
+    repo.mark_deleted(file)
+    store.delete(file.object_key)

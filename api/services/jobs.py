@@ -1,0 +1,105 @@
+"""Jobs: check a request against the registry and the files, store it, and enqueue after commit."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from api.errors import APIError, Conflict, NotFound
+from api.schemas import JobCreate
+from ortune.db.base import new_id, utcnow
+from ortune.db.models import File, FileStatus, Job, JobStatus
+from ortune.db.repositories import EventRepository, FileRepository, JobRepository
+from ortune.queue import enqueue_job, on_commit
+from ortune.settings import Settings
+from trainer_core import registry, rows
+from trainer_core.spec import Distributed
+
+CANCELLABLE = (JobStatus.validating_files, JobStatus.queued, JobStatus.running, JobStatus.paused)
+
+
+def _file(session: Session, file_id: str, param: str, task: str | None) -> File:
+    file = FileRepository(session).get(file_id)
+    if file is None:
+        raise NotFound(f"no file with id {file_id!r}", param=param, code="file_not_found")
+    if file.status != FileStatus.processed:
+        raise APIError(f"file {file_id} failed its checks: {file.status_details}", param=param,
+                       code="invalid_file")
+    if task is not None and file.row_kind not in rows.TASK_KINDS[task]:
+        raise APIError(f"task {task} needs rows with {rows.required_columns(task)}; file {file_id} holds "
+                       f"{file.row_kind} rows", param=param, code="invalid_file")
+    return file
+
+
+def create(session: Session, settings: Settings, req: JobCreate) -> Job:
+    try:
+        model = registry.resolve(req.model, settings.models_dir)
+    except registry.UnknownModel as exc:
+        raise NotFound(str(exc), param="model", code="model_not_found") from exc
+    train = _file(session, req.training_file, "training_file", req.task)
+    task = req.task or ("sequence-classification" if train.row_kind == "text_label" else "causal-lm")
+    if task not in model.tasks:
+        raise APIError(f"model {model.id} cannot be fine-tuned for {task} (it supports {', '.join(model.tasks)})",
+                       param="model", code="unsupported_task")
+    valid = _file(session, req.validation_file, "validation_file", task) if req.validation_file else None
+    if valid is not None and valid.row_kind != train.row_kind:
+        raise APIError(f"validation file holds {valid.row_kind} rows, training file {train.row_kind} rows",
+                       param="validation_file", code="invalid_file")
+    labels: list[Any] = list(train.labels or [])
+    if task == "sequence-classification":
+        if len(labels) < 2:
+            raise APIError("sequence-classification needs at least two distinct labels in the training file",
+                           param="training_file", code="invalid_file")
+        unseen = {str(x) for x in (valid.labels or [])} - {str(x) for x in labels} if valid else set()
+        if unseen:
+            raise APIError(f"validation labels not in the training file: {', '.join(sorted(unseen))}",
+                           param="validation_file", code="invalid_file")
+    hp = req.effective_hyperparameters()
+    if hp.max_steps is not None and hp.max_steps > settings.max_steps:
+        raise APIError(f"max_steps {hp.max_steps} is over this deployment's limit of {settings.max_steps}",
+                       param="hyperparameters.max_steps", code="limit_exceeded")
+    dist = req.distributed
+    if dist is not None and dist.world_size > 1:
+        raise APIError("multi-process training needs the node scheduler, which this deployment does not run "
+                       "yet; use nodes=1, procs_per_node=1", param="distributed", code="unsupported")
+
+    resolved = hp.resolved(train.row_count)
+    spec = {
+        "task": task, "labels": labels, "hyperparameters": hp.model_dump(mode="json"),
+        "resolved_hyperparameters": resolved.model_dump(mode="json"), "backend": req.backend,
+        "optim": req.optim, "precision": req.precision, "checkpoint_every_steps": req.checkpoint_every_steps,
+        "distributed": (dist or Distributed()).model_dump(mode="json"),
+    }
+    spec["hyperparameters"].update({"n_epochs": resolved.n_epochs, "batch_size": resolved.batch_size,
+                                    "learning_rate_multiplier": hp.learning_rate_multiplier})
+    job = Job(
+        id=new_id("ftjob"), model=model.id, task=task, training_file_id=train.id,
+        validation_file_id=valid.id if valid else None, status=JobStatus.queued, spec=spec, suffix=req.suffix,
+        seed=req.seed if req.seed is not None else secrets.randbelow(2**31), user_metadata=req.metadata,
+        priority=req.priority, backend_requested=req.backend,
+    )
+    JobRepository(session).add(job)
+    EventRepository(session).add(job.id, f"Created fine-tuning job {job.id}: {task} on {model.id}")
+    on_commit(session, lambda: enqueue_job(settings, job.id))
+    return job
+
+
+def get(session: Session, job_id: str) -> Job:
+    job = JobRepository(session).get(job_id)
+    if job is None:
+        raise NotFound(f"no fine-tuning job with id {job_id!r}", param="fine_tuning_job_id", code="job_not_found")
+    return job
+
+
+def cancel(session: Session, job_id: str) -> Job:
+    job = get(session, job_id)
+    repo = JobRepository(session)
+    if not repo.transition(job_id, JobStatus.cancelled, only_from=CANCELLABLE, finished_at=utcnow()):
+        current = repo.status(job_id)
+        raise Conflict(f"job {job_id} is already {current}; only a job that has not finished can be cancelled",
+                       param="fine_tuning_job_id", code="job_not_cancellable")
+    EventRepository(session).add(job_id, "Job cancelled by request")
+    session.refresh(job)
+    return job

@@ -1,0 +1,171 @@
+"""The `ortune` command: run the service, submit and follow jobs, download models."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from ortune.client import APIError, Client
+from ortune.settings import get_settings
+
+app = typer.Typer(help="ortune: self-hosted fine-tuning jobs (OpenAI-shaped REST, ONNX Runtime training).",
+                  no_args_is_help=True, add_completion=False)
+console = Console()
+TERMINAL = {"succeeded", "failed", "cancelled"}
+ApiUrl = Annotated[str | None, typer.Option("--api", help="API base URL (default: ORTUNE_API_URL)")]
+
+
+def _client(api: str | None) -> Client:
+    return Client(api or get_settings().api_url)
+
+
+@app.command()
+def up(worker: Annotated[bool, typer.Option(help="also start a Celery worker")] = True) -> None:
+    """Run migrations, then the API and a worker until Ctrl-C (embedded default unless ORTUNE_* URLs say)."""
+    from ortune.embedded import start
+
+    settings = get_settings()
+    with start(settings, worker=worker) as services:
+        console.print(f"[green]ortune is up[/] at {settings.api_url} (state: {settings.database_url})")
+        try:
+            while all(p.poll() is None for p in services.procs):
+                time.sleep(0.5)
+            console.print("[red]a service process exited; stopping[/]")
+            raise typer.Exit(1)
+        except KeyboardInterrupt:
+            console.print("stopping")
+
+
+@app.command("worker")
+def worker_cmd() -> None:
+    """Run one Celery worker in the foreground (production nodes)."""
+    import os
+
+    from ortune.embedded import child_env, worker_command
+
+    settings = get_settings()
+    cmd = worker_command(settings)
+    os.execvpe(cmd[0], cmd, child_env(settings))
+
+
+@app.command()
+def migrate() -> None:
+    """Bring the database schema to the latest revision."""
+    from ortune.db.migrate import upgrade
+
+    upgrade(get_settings().database_url)
+    console.print("schema is up to date")
+
+
+def _load_spec(path: Path) -> dict[str, Any]:
+    spec = yaml.safe_load(path.read_text())
+    if not isinstance(spec, dict):
+        raise typer.BadParameter(f"{path} must hold a mapping of job fields", param_hint="JOB_FILE")
+    return spec
+
+
+@app.command()
+def submit(job_file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="job spec, YAML or JSON")],
+           api: ApiUrl = None, follow_job: Annotated[bool, typer.Option("--follow")] = False) -> None:
+    """Submit a job. training_file/validation_file may be local paths; they are uploaded first."""
+    client = _client(api)
+    spec = _load_spec(job_file)
+    for key in ("training_file", "validation_file"):
+        value = spec.get(key)
+        if isinstance(value, str) and not value.startswith("file-"):
+            local = (job_file.parent / value).resolve()
+            uploaded = client.upload(local)
+            if uploaded["status"] == "error":
+                console.print(f"[red]{local.name}: {uploaded['status_details']}[/]")
+                raise typer.Exit(1)
+            spec[key] = uploaded["id"]
+    try:
+        job = client.create_job(**spec)
+    except APIError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(1) from exc
+    console.print(job["id"])
+    if follow_job:
+        follow(job["id"], api=api)
+
+
+@app.command()
+def jobs(api: ApiUrl = None, limit: int = 20) -> None:
+    """List recent jobs."""
+    page = _client(api).get("/v1/fine_tuning/jobs", limit=limit)
+    table = Table("id", "model", "status", "backend", "step", "created")
+    for job in page["data"]:
+        p = job["progress"]
+        table.add_row(job["id"], job["model"], job["status"], job["backend_used"] or job["backend"],
+                      f"{p['step']}/{p['total_steps'] or '?'}", time.strftime("%Y-%m-%d %H:%M", time.localtime(job["created_at"])))
+    console.print(table)
+
+
+@app.command()
+def follow(job_id: str, api: ApiUrl = None, interval: float = 1.0) -> None:
+    """Follow a job: a progress bar with step, loss and ETA, and its messages, until it ends."""
+    client = _client(api)
+    last_event, job = 0, client.job(job_id)
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn()]
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task(job["status"], total=None, loss="-")
+        while True:
+            job = client.job(job_id)
+            for event in client.events_since(job_id, last_event):
+                last_event = int(event["id"].split("-")[1])
+                if event["type"] == "metrics":
+                    loss = (event.get("data") or {}).get("train_loss")
+                    if loss is not None:
+                        bar.update(task, loss=f"{loss:.4f}")
+                else:
+                    style = {"error": "red", "warn": "yellow"}.get(event["level"], "dim")
+                    bar.console.print(f"[{style}]{event['message']}[/]")
+            p = job["progress"]
+            bar.update(task, description=job["status"], completed=p["step"], total=p["total_steps"])
+            if job["status"] in TERMINAL:
+                break
+            time.sleep(interval)
+    if job["status"] != "succeeded":
+        err = job.get("error") or {}
+        console.print(f"[red]job {job['status']}[/] {err.get('message', '')}")
+        raise typer.Exit(1)
+    console.print(f"[green]succeeded[/]: {job['fine_tuned_model']} (backend {job['backend_used']})")
+
+
+@app.command()
+def download(job_id: str, format: Annotated[str, typer.Option("--format", "-f", help="pytorch or onnx")] = "pytorch",
+             output: Annotated[Path | None, typer.Option("--output", "-o")] = None, api: ApiUrl = None) -> None:
+    """Download a job's model as a tar archive; resumes a partial file and verifies the sha256."""
+    dest = output or Path(f"{job_id}-{format}.tar")
+    columns = [TextColumn(dest.name), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("download", total=None)
+        digest = _client(api).download(job_id, format, dest,
+                                       lambda done, total: bar.update(task, completed=done, total=total))
+    console.print(f"{dest} sha256 {digest} [green]verified[/]")
+
+
+@app.command()
+def demo(keep: Annotated[bool, typer.Option(help="leave the service running afterwards")] = False) -> None:
+    """Fine-tune all-MiniLM-L6-v2 on the shipped sentiment data end to end and compare accuracy."""
+    from ortune.demo import run_demo
+
+    raise typer.Exit(run_demo(console, keep=keep))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
+
+

@@ -1,0 +1,1 @@
+"""Database models, sessions and repositories shared by api and worker."""

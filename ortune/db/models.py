@@ -1,0 +1,141 @@
+"""Typed SQLAlchemy 2.0 models. Postgres is the source of truth; the broker only carries ids."""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Enum, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column
+
+from ortune.db.base import Base, BigIntId, JSONType, UTCDateTime, utcnow
+
+
+class FileStatus(enum.StrEnum):
+    uploaded = "uploaded"
+    processed = "processed"
+    error = "error"
+
+
+class JobStatus(enum.StrEnum):
+    validating_files = "validating_files"
+    queued = "queued"
+    running = "running"
+    paused = "paused"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
+
+
+def _enum(cls: type[enum.Enum], name: str) -> Enum:
+    # Stored as plain strings with a CHECK, so adding a value is a one-line migration on every backend.
+    return Enum(cls, name=name, native_enum=False, create_constraint=True, length=32,
+                values_callable=lambda e: [m.value for m in e])
+
+
+class File(Base):
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    filename: Mapped[str] = mapped_column(String(255))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(BigIntId)
+    sha256: Mapped[str] = mapped_column(String(64))
+    object_key: Mapped[str] = mapped_column(String(512))
+    status: Mapped[FileStatus] = mapped_column(_enum(FileStatus, "file_status"))
+    status_details: Mapped[str | None] = mapped_column(Text)
+    row_kind: Mapped[str | None] = mapped_column(String(32))
+    row_count: Mapped[int] = mapped_column(Integer, default=0)
+    labels: Mapped[list[Any] | None] = mapped_column(JSONType)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    deleted: Mapped[bool] = mapped_column(default=False)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_created_at_id", "created_at", "id"), Index("ix_jobs_status", "status"))
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    model: Mapped[str] = mapped_column(String(255))
+    task: Mapped[str] = mapped_column(String(64))
+    training_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
+    validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
+    status: Mapped[JobStatus] = mapped_column(_enum(JobStatus, "job_status"))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    suffix: Mapped[str | None] = mapped_column(String(64))
+    seed: Mapped[int] = mapped_column(Integer)
+    user_metadata: Mapped[dict[str, str] | None] = mapped_column("metadata", JSONType)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    backend_requested: Mapped[str] = mapped_column(String(16))
+    backend_used: Mapped[str | None] = mapped_column(String(16))
+    backend_reason: Mapped[str | None] = mapped_column(Text)
+    fine_tuned_model: Mapped[str | None] = mapped_column(String(512))
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    total_steps: Mapped[int | None] = mapped_column(Integer)
+    trained_tokens: Mapped[int | None] = mapped_column(BigIntId)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class JobEvent(Base):
+    __tablename__ = "job_events"
+    __table_args__ = (Index("ix_job_events_job_id_id", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    level: Mapped[str] = mapped_column(String(8), default="info")
+    type: Mapped[str] = mapped_column(String(16), default="message")
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+
+
+class JobMetric(Base):
+    """One value of one named series at one step (long format: cheap to append, easy to downsample)."""
+
+    __tablename__ = "job_metrics"
+    __table_args__ = (UniqueConstraint("job_id", "name", "step"),)
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(64))
+    step: Mapped[int] = mapped_column(Integer)
+    value: Mapped[float] = mapped_column(Float)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("job_id", "step"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    object_key: Mapped[str] = mapped_column(String(512))
+    bytes: Mapped[int] = mapped_column(BigIntId)
+    sha256: Mapped[str] = mapped_column(String(64))
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Artifact(Base):
+    __tablename__ = "artifacts"
+    __table_args__ = (UniqueConstraint("job_id", "format"),)
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    format: Mapped[str] = mapped_column(String(16))
+    object_key: Mapped[str] = mapped_column(String(512))
+    bytes: Mapped[int] = mapped_column(BigIntId)
+    sha256: Mapped[str] = mapped_column(String(64))
+    manifest: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -1,0 +1,198 @@
+"""All SQL lives here. Repositories flush, never commit: the caller owns the transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy.orm import Session
+
+from ortune.db.base import utcnow
+from ortune.db.models import Artifact, Checkpoint, File, Job, JobEvent, JobMetric, JobStatus
+
+
+class FileRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def add(self, file: File) -> File:
+        self.session.add(file)
+        self.session.flush()
+        return file
+
+    def get(self, file_id: str) -> File | None:
+        file = self.session.get(File, file_id)
+        return None if file is None or file.deleted else file
+
+    def list(self, *, after: str | None, limit: int, purpose: str | None = None) -> tuple[list[File], bool]:
+        stmt = select(File).where(File.deleted.is_(False))
+        if purpose:
+            stmt = stmt.where(File.purpose == purpose)
+        stmt = _after(stmt, File, self.session.get(File, after) if after else None)
+        rows = list(self.session.scalars(stmt.order_by(File.created_at.desc(), File.id.desc()).limit(limit + 1)))
+        return rows[:limit], len(rows) > limit
+
+    def in_use(self, file_id: str) -> bool:
+        active = [s for s in JobStatus if not s.terminal]
+        stmt = select(func.count()).select_from(Job).where(
+            or_(Job.training_file_id == file_id, Job.validation_file_id == file_id), Job.status.in_(active)
+        )
+        return bool(self.session.scalar(stmt))
+
+    def mark_deleted(self, file: File) -> None:
+        # Jobs keep a foreign key to their files, so the row stays as a tombstone; the bytes go.
+        file.deleted = True
+        self.session.flush()
+
+
+class JobRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def add(self, job: Job) -> Job:
+        self.session.add(job)
+        self.session.flush()
+        return job
+
+    def get(self, job_id: str, *, for_update: bool = False) -> Job | None:
+        stmt = select(Job).where(Job.id == job_id)
+        if for_update:
+            stmt = stmt.with_for_update()
+        return self.session.scalars(stmt).first()
+
+    def list(self, *, after: str | None, limit: int) -> tuple[list[Job], bool]:
+        stmt = _after(select(Job), Job, self.session.get(Job, after) if after else None)
+        rows = list(self.session.scalars(stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)))
+        return rows[:limit], len(rows) > limit
+
+    def transition(self, job_id: str, to: JobStatus, *, only_from: Iterable[JobStatus], **values: Any) -> bool:
+        """Compare-and-set on status: the single way a job's status changes, so races resolve in SQL."""
+        stmt = (
+            update(Job)
+            .where(Job.id == job_id, Job.status.in_(list(only_from)))
+            .values(status=to, **values)
+            .execution_options(synchronize_session=False)
+        )
+        changed = self.session.execute(stmt).rowcount == 1  # type: ignore[attr-defined]
+        self.session.flush()
+        return changed
+
+    def update(self, job_id: str, **values: Any) -> None:
+        self.session.execute(update(Job).where(Job.id == job_id).values(**values))
+        self.session.flush()
+
+    def status(self, job_id: str) -> JobStatus | None:
+        return self.session.scalar(select(Job.status).where(Job.id == job_id))
+
+    def fine_tuned_models(self) -> Sequence[tuple[str, datetime]]:
+        stmt = select(Job.fine_tuned_model, Job.finished_at).where(
+            Job.status == JobStatus.succeeded, Job.fine_tuned_model.is_not(None)
+        )
+        return [(m, t or utcnow()) for m, t in self.session.execute(stmt) if m]
+
+
+class EventRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def add(self, job_id: str, message: str, *, level: str = "info", type: str = "message",
+            data: dict[str, Any] | None = None, created_at: datetime | None = None) -> None:
+        self.session.add(JobEvent(job_id=job_id, message=message, level=level, type=type, data=data,
+                                  created_at=created_at or utcnow()))
+
+    def add_many(self, rows: Sequence[dict[str, Any]]) -> None:
+        if rows:
+            self.session.add_all(JobEvent(**row) for row in rows)
+            self.session.flush()
+
+    def list(self, job_id: str, *, after: int | None, limit: int) -> tuple[list[JobEvent], bool]:
+        """Newest first, as OpenAI lists events; `after` is the id of the last event already seen."""
+        stmt = select(JobEvent).where(JobEvent.job_id == job_id)
+        if after is not None:
+            stmt = stmt.where(JobEvent.id < after)
+        rows = list(self.session.scalars(stmt.order_by(JobEvent.id.desc()).limit(limit + 1)))
+        return rows[:limit], len(rows) > limit
+
+
+class MetricRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def add_many(self, job_id: str, points: Sequence[tuple[str, int, float]]) -> None:
+        """Insert points, replacing any already stored for the same (name, step): a re-run step wins."""
+        if not points:
+            return
+        latest = {(name, step): value for name, step, value in points}
+        keys = list(latest)
+        self.session.execute(
+            delete(JobMetric).where(
+                JobMetric.job_id == job_id,
+                or_(*(and_(JobMetric.name == n, JobMetric.step == s) for n, s in keys)),
+            )
+        )
+        self.session.add_all(JobMetric(job_id=job_id, name=n, step=s, value=v) for (n, s), v in latest.items())
+        self.session.flush()
+
+    def series(self, job_id: str, names: Sequence[str] | None = None) -> dict[str, list[tuple[int, float]]]:
+        stmt = select(JobMetric.name, JobMetric.step, JobMetric.value).where(JobMetric.job_id == job_id)
+        if names:
+            stmt = stmt.where(JobMetric.name.in_(list(names)))
+        out: dict[str, list[tuple[int, float]]] = {}
+        for name, step, value in self.session.execute(stmt.order_by(JobMetric.name, JobMetric.step)):
+            out.setdefault(name, []).append((step, value))
+        return out
+
+
+class CheckpointRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def add(self, checkpoint: Checkpoint) -> None:
+        existing = self.session.scalars(
+            select(Checkpoint).where(Checkpoint.job_id == checkpoint.job_id, Checkpoint.step == checkpoint.step)
+        ).first()
+        if existing is not None:
+            self.session.delete(existing)
+            self.session.flush()
+        self.session.add(checkpoint)
+        self.session.flush()
+
+    def list(self, job_id: str, *, after: str | None, limit: int) -> tuple[list[Checkpoint], bool]:
+        stmt = select(Checkpoint).where(Checkpoint.job_id == job_id)
+        if after:
+            anchor = self.session.get(Checkpoint, after)
+            if anchor is not None:
+                stmt = stmt.where(Checkpoint.step < anchor.step)
+        rows = list(self.session.scalars(stmt.order_by(Checkpoint.step.desc()).limit(limit + 1)))
+        return rows[:limit], len(rows) > limit
+
+
+class ArtifactRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def put(self, artifact: Artifact) -> None:
+        self.session.execute(
+            delete(Artifact).where(Artifact.job_id == artifact.job_id, Artifact.format == artifact.format)
+        )
+        self.session.add(artifact)
+        self.session.flush()
+
+    def get(self, job_id: str, fmt: str) -> Artifact | None:
+        return self.session.scalars(
+            select(Artifact).where(Artifact.job_id == job_id, Artifact.format == fmt)
+        ).first()
+
+    def for_job(self, job_id: str) -> list[Artifact]:
+        return list(self.session.scalars(select(Artifact).where(Artifact.job_id == job_id)))
+
+
+def _after(stmt: Any, model: Any, anchor: Any) -> Any:
+    """Keyset pagination on (created_at, id), newest first."""
+    if anchor is None:
+        return stmt
+    return stmt.where(
+        or_(model.created_at < anchor.created_at, and_(model.created_at == anchor.created_at, model.id < anchor.id))
+    )

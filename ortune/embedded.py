@@ -1,0 +1,107 @@
+"""Start the service's processes: the API under uvicorn and one Celery worker, as children of this one.
+
+`ortune up` uses this for the embedded default (SQLite, kombu's SQLAlchemy transport, a local folder) and
+the same code runs against Postgres, Redis and S3 when the settings say so.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from ortune.db.migrate import upgrade
+from ortune.settings import Settings
+
+
+def child_env(settings: Settings) -> dict[str, str]:
+    """Pin the resolved settings so every child agrees, whatever its working directory."""
+    env = dict(os.environ)
+    env.update({
+        "ORTUNE_DATA_DIR": str(settings.data_dir.resolve()),
+        "ORTUNE_DATABASE_URL": settings.database_url,
+        "ORTUNE_BROKER_URL": settings.broker_url,
+        "ORTUNE_STORAGE_URL": settings.storage_url,
+        "ORTUNE_QUEUE": settings.queue,
+        "ORTUNE_WORK_DIR": str(settings.job_work_dir),
+        "ORTUNE_API_PORT": str(settings.api_port),
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+@dataclass
+class Services:
+    settings: Settings
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 15
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> Services:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def api_command(settings: Settings) -> list[str]:
+    return [sys.executable, "-m", "uvicorn", "--factory", "api.main:app", "--host", settings.api_host,
+            "--port", str(settings.api_port), "--log-level", "warning"]
+
+
+def worker_command(settings: Settings, name: str = "") -> list[str]:
+    return [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "-Q", settings.queue,
+            "--pool", "solo", "--concurrency", "1", "--loglevel", "INFO",
+            "-n", name or f"ortune-{os.getpid()}@%h", "--without-gossip", "--without-mingle"]
+
+
+def wait_healthy(url: str, timeout: float = 60.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the API process exited with code {proc.returncode} before answering")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"the API did not answer at {url} within {timeout:.0f}s")
+
+
+def start(settings: Settings, *, api: bool = True, worker: bool = True, log_dir: Path | None = None) -> Services:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.database_url)
+    env = child_env(settings)
+    log_dir = log_dir or settings.data_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    services = Services(settings)
+    try:
+        if worker:
+            with (log_dir / "worker.log").open("ab") as log:
+                services.procs.append(subprocess.Popen(worker_command(settings), env=env, stdout=log,
+                                                       stderr=subprocess.STDOUT))
+        if api:
+            with (log_dir / "api.log").open("ab") as log:
+                proc = subprocess.Popen(api_command(settings), env=env, stdout=log, stderr=subprocess.STDOUT)
+            services.procs.append(proc)
+            wait_healthy(settings.api_url, proc=proc)
+    except BaseException:
+        services.stop()
+        raise
+    return services

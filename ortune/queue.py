@@ -1,0 +1,70 @@
+"""The Celery app both sides share: the API sends tasks by name, the worker registers them.
+
+Tasks carry ids only, are acknowledged late (a worker lost mid-task leaves the message for another) and
+are sent only after the row they name is committed (see `on_commit`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+import logging
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import event
+from sqlalchemy.orm import Session
+
+from ortune.settings import Settings, get_settings
+
+RUN_JOB = "ortune.run_job"
+log = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=4)
+def celery_app(broker_url: str | None = None, queue: str | None = None) -> Celery:
+    settings = get_settings()
+    broker = broker_url or settings.broker_url
+    app = Celery("ortune", broker=broker)
+    app.conf.update(
+        task_default_queue=queue or settings.queue,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_ignore_result=True,
+        worker_prefetch_multiplier=1,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        task_serializer="json",
+        accept_content=["json"],
+    )
+    return app
+
+
+def enqueue_job(settings: Settings, job_id: str) -> None:
+    celery_app(settings.broker_url, settings.queue).send_task(RUN_JOB, args=[job_id], queue=settings.queue)
+
+
+def ping_broker(settings: Settings) -> None:
+    with celery_app(settings.broker_url, settings.queue).connection_for_write() as conn:
+        conn.ensure_connection(max_retries=1, timeout=2)
+
+
+def on_commit(session: Session, fn: Callable[[], Any]) -> None:
+    """Run fn after the session's transaction commits (never if it rolls back)."""
+    session.info.setdefault("on_commit", []).append(fn)
+
+
+@event.listens_for(Session, "after_commit")
+def _run_on_commit(session: Session) -> None:
+    # The transaction is already durable: a failed callback (a broker that is down) is logged, not raised,
+    # and the job stays `queued` in the database for the sweep to send again.
+    for fn in session.info.pop("on_commit", []):
+        try:
+            fn()
+        except Exception:
+            log.exception("after-commit callback failed")
+
+
+@event.listens_for(Session, "after_rollback")
+def _drop_on_commit(session: Session) -> None:
+    session.info.pop("on_commit", None)

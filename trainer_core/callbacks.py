@@ -1,0 +1,52 @@
+"""A Trainer callback that turns the Trainer's own logs and saves into events."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from trainer_core.events import EventStream
+
+METRIC_NAMES = {"loss": "train_loss", "learning_rate": "learning_rate", "grad_norm": "grad_norm",
+                "epoch": "epoch"}
+
+
+class EventCallback(TrainerCallback):
+    def __init__(self, events: EventStream, samples_per_step: int) -> None:
+        self.events = events
+        self.samples_per_step = samples_per_step
+        self._t0 = 0.0
+        self._step0 = 0
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kw: Any) -> None:
+        self._t0, self._step0 = time.perf_counter(), state.global_step
+        self.events.emit("progress", step=state.global_step, total_steps=state.max_steps)
+        self.events.message(f"training started: {state.max_steps} steps, {args.num_train_epochs:g} epoch(s)")
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, float] | None = None, **kw: Any) -> None:
+        if not logs:
+            return
+        values: dict[str, float] = {}
+        for key, value in logs.items():
+            if not isinstance(value, int | float):
+                continue
+            if key.startswith("eval_"):
+                if key in ("eval_loss", "eval_accuracy"):
+                    values[key] = float(value)
+            elif key in METRIC_NAMES:
+                values[METRIC_NAMES[key]] = float(value)
+        elapsed = time.perf_counter() - self._t0
+        done = state.global_step - self._step0
+        if "train_loss" in values and elapsed > 0 and done > 0:
+            values["samples_per_second"] = done * self.samples_per_step / elapsed
+        if set(values) - {"epoch"}:
+            self.events.emit("metrics", step=state.global_step, total_steps=state.max_steps, **values)
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        path = f"{args.output_dir}/checkpoint-{state.global_step}"
+        self.events.emit("checkpoint", step=state.global_step, path=path,
+                         metrics={"step": state.global_step, **(state.log_history[-1] if state.log_history else {})})

@@ -1,0 +1,109 @@
+"""Run one training job from its spec: `python -m trainer_core.launch spec.json`.
+
+Events go to stdout as JSON lines (see events.py); everything else goes to stderr. Exit status 0 means
+the model was trained, saved and exported; 2 means the spec cannot run here; 1 is any other failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from trainer_core.events import EventStream
+from trainer_core.spec import TrainingSpec
+
+
+def run(spec: TrainingSpec, events: EventStream) -> None:
+    # Setup: everything that can fail fast fails before the model loads.
+    import torch
+    import transformers
+
+    from trainer_core import backends, data, export, modeling, registry, rows, trainer
+
+    transformers.utils.logging.set_verbosity_error()
+    cuda = torch.cuda.is_available()
+    choice = backends.choose(spec, cuda=cuda)
+    events.emit("backend", requested=choice.requested, used=choice.used, reason=choice.reason,
+                optim=choice.optim, optim_note=choice.optim_note)
+    if choice.reason:
+        events.message(choice.reason, level="warn")
+    if choice.optim_note:
+        events.message(choice.optim_note, level="warn")
+
+    transformers.set_seed(spec.seed)
+    train_rows = rows.load_rows(Path(spec.train_file), spec.train_format)
+    valid_rows = rows.load_rows(Path(spec.validation_file), spec.validation_format) if spec.validation_file else []
+    info = registry.ModelInfo(spec.model, "built" if spec.model_path is None else "local",
+                              Path(spec.model_path) if spec.model_path else None, registry.ALL_TASKS)
+    t0 = time.perf_counter()
+    loaded = modeling.load(info, spec, data.texts_of(train_rows))
+    events.message(f"loaded {spec.model} ({sum(p.numel() for p in loaded.model.parameters()):,} parameters) "
+                   f"in {time.perf_counter() - t0:.1f}s")
+    train_set = data.encode(train_rows, loaded.tokenizer, spec)
+    valid_set = data.encode(valid_rows, loaded.tokenizer, spec) if valid_rows else None
+    hf_trainer = trainer.build(spec, choice, loaded.model, loaded.tokenizer, train_set, valid_set, events,
+                               cuda=cuda)
+
+    # Train, with an evaluation before and after so the job shows what training bought.
+    if valid_set is not None and spec.resume_from is None:
+        hf_trainer.evaluate()  # the callback reports it as step 0
+    result = hf_trainer.train(resume_from_checkpoint=spec.resume_from)
+    final: dict[str, float] = {"train_loss": float(result.training_loss)}
+    if valid_set is not None:
+        after = hf_trainer.evaluate()
+        final |= {k: float(v) for k, v in after.items() if k in ("eval_loss", "eval_accuracy")}
+
+    # Save: a Hugging Face directory and an ONNX export checked against it.
+    out = Path(spec.output_dir)
+    model = hf_trainer.model
+    manifest = {"job_id": spec.job_id, "base_model": spec.model, "task": spec.task, "labels": spec.labels,
+                "backend_used": choice.used, "steps": hf_trainer.state.global_step, "metrics": final}
+    pt = export.save_pytorch(model, loaded.tokenizer, out / "pytorch", manifest)
+    events.emit("artifact", format="pytorch", path=str(out / "pytorch"), manifest=pt)
+    samples = data.texts_of(valid_rows or train_rows)[:8]
+    onnx = export.export_onnx(model, loaded.tokenizer, out / "onnx", samples, manifest,
+                              max_len=spec.hyperparameters.max_seq_length)
+    events.emit("artifact", format="onnx", path=str(out / "onnx"), manifest=onnx)
+    tokens = sum(len(x["input_ids"]) for x in train_set.items) * spec.hyperparameters.n_epochs
+    events.emit("result", metrics=final, steps=hf_trainer.state.global_step, trained_tokens=tokens,
+                onnx_max_abs_diff=onnx["parity"]["max_abs_diff"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer_core.launch", description=__doc__)
+    parser.add_argument("spec", type=Path, help="the job's spec.json")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    events = EventStream.take_stdout()
+    from trainer_core.backends import BackendUnavailable
+    from trainer_core.export import ExportError
+    from trainer_core.modeling import ModelLoadError
+    from trainer_core.trainer import SpecError
+
+    try:
+        spec = TrainingSpec.load(args.spec)
+        run(spec, events)
+    except (SpecError, BackendUnavailable, ModelLoadError, ValueError) as exc:
+        events.emit("error", code=type(exc).__name__, message=str(exc))
+        traceback.print_exc()
+        return 2
+    except ExportError as exc:
+        events.emit("error", code="ExportError", message=str(exc))
+        traceback.print_exc()
+        return 1
+    except Exception as exc:
+        events.emit("error", code=type(exc).__name__, message=f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

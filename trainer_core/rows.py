@@ -1,0 +1,200 @@
+"""Row formats a training file may hold, and the streaming check run on every upload.
+
+Supported rows (JSONL objects, or CSV with a header): `{"text", "label"}`, `{"text"}`,
+`{"prompt", "completion"}` and chat `{"messages": [{"role", "content"}, ...]}`. A file holds one kind.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+KINDS: dict[str, frozenset[str]] = {
+    "text_label": frozenset({"text", "label"}),
+    "prompt_completion": frozenset({"prompt", "completion"}),
+    "chat": frozenset({"messages"}),
+    "text": frozenset({"text"}),
+}
+TASK_KINDS: dict[str, tuple[str, ...]] = {
+    "sequence-classification": ("text_label",),
+    "causal-lm": ("text", "prompt_completion", "chat"),
+}
+FORMATS = ("jsonl", "csv")
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+MAX_REPORTED_ERRORS = 10
+MAX_LABELS = 1000
+
+
+class RowError(ValueError):
+    pass
+
+
+def file_format(filename: str) -> str | None:
+    suffix = filename.rsplit(".", 1)[-1].lower() if "." in filename else ""
+    return {"jsonl": "jsonl", "json": "jsonl", "ndjson": "jsonl", "csv": "csv"}.get(suffix)
+
+
+def required_columns(task: str) -> str:
+    return " or ".join("{" + ", ".join(sorted(KINDS[k])) + "}" for k in TASK_KINDS[task])
+
+
+def row_kind(row: dict[str, Any]) -> str:
+    """The kind of one row, or RowError saying what is wrong with it."""
+    keys = frozenset(k for k, v in row.items() if v is not None)
+    for kind, needed in KINDS.items():
+        if needed <= keys:
+            extra = keys - needed
+            if extra and kind != "text_label":
+                raise RowError(f"unexpected field(s) {', '.join(sorted(extra))} in a {kind} row")
+            _check_values(kind, row)
+            return kind
+    if "label" in keys:
+        raise RowError("missing required field 'text'")
+    if "prompt" in keys or "completion" in keys:
+        missing = "completion" if "prompt" in keys else "prompt"
+        raise RowError(f"missing required field '{missing}'")
+    raise RowError(f"no supported fields: expected one of {', '.join('{' + ', '.join(sorted(v)) + '}' for v in KINDS.values())}")
+
+
+def _check_values(kind: str, row: dict[str, Any]) -> None:
+    if kind == "chat":
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise RowError("'messages' must be a non-empty list")
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, dict) or msg.get("role") not in CHAT_ROLES:
+                raise RowError(f"messages[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}")
+            if not isinstance(msg.get("content"), str):
+                raise RowError(f"messages[{i}].content must be a string")
+        return
+    for name in KINDS[kind]:
+        value = row[name]
+        if name == "label":
+            if isinstance(value, bool) or not isinstance(value, str | int) or value == "":
+                raise RowError("'label' must be a non-empty string or an integer")
+        elif not isinstance(value, str) or not value.strip():
+            raise RowError(f"'{name}' must be a non-empty string")
+
+
+def iter_rows(fh: IO[str], fmt: str) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+    """Yield (line number, row or the error for that line) without holding the file in memory."""
+    if fmt == "jsonl":
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield lineno, RowError(f"invalid JSON ({exc.msg} at column {exc.colno})")
+                continue
+            yield lineno, obj if isinstance(obj, dict) else RowError("a row must be a JSON object")
+        return
+    reader = csv.DictReader(fh)
+    if not reader.fieldnames:
+        yield 1, RowError("empty CSV: the first line must be a header")
+        return
+    for row in reader:
+        if None in row:
+            yield reader.line_num, RowError("more values than header columns")
+            continue
+        clean: dict[str, Any] = {k: (v if v != "" else None) for k, v in row.items()}
+        if "messages" in clean and isinstance(clean["messages"], str):
+            try:
+                clean["messages"] = json.loads(clean["messages"])
+            except json.JSONDecodeError:
+                yield reader.line_num, RowError("'messages' must hold a JSON list")
+                continue
+        yield reader.line_num, clean
+
+
+@dataclass
+class Report:
+    kind: str | None = None
+    rows: int = 0
+    labels: set[Any] = field(default_factory=set)
+    errors: list[str] = field(default_factory=list)
+    error_count: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error_count == 0 and self.rows > 0
+
+    def details(self) -> str | None:
+        if self.ok:
+            return None
+        if not self.errors:
+            return "the file holds no rows"
+        more = self.error_count - len(self.errors)
+        return "; ".join(self.errors) + (f"; and {more} more" if more > 0 else "")
+
+    def fail(self, message: str) -> None:
+        self.error_count += 1
+        if len(self.errors) < MAX_REPORTED_ERRORS:
+            self.errors.append(message)
+
+
+def check_rows(rows: Iterable[tuple[int, dict[str, Any] | RowError]], *, max_rows: int,
+               task: str | None = None) -> Report:
+    """Check every row: one kind per file, the task's required columns, the row limit."""
+    report = Report()
+    allowed = TASK_KINDS.get(task) if task else None
+    for lineno, row in rows:
+        if isinstance(row, RowError):
+            report.fail(f"line {lineno}: {row}")
+            continue
+        try:
+            kind = row_kind(row)
+        except RowError as exc:
+            report.fail(f"line {lineno}: {exc}")
+            continue
+        if report.kind is None:
+            report.kind = kind
+            if allowed and kind not in allowed:
+                report.fail(f"line {lineno}: task {task} needs rows with {required_columns(task or '')}, "
+                            f"got a {kind} row")
+        elif kind != report.kind:
+            report.fail(f"line {lineno}: a {kind} row in a file of {report.kind} rows")
+            continue
+        report.rows += 1
+        if report.rows > max_rows:
+            report.fail(f"line {lineno}: more than {max_rows} rows (limit max_rows)")
+            break
+        if kind == "text_label" and len(report.labels) <= MAX_LABELS:
+            report.labels.add(row["label"])
+    if len(report.labels) > MAX_LABELS:
+        report.fail(f"more than {MAX_LABELS} distinct labels")
+    return report
+
+
+def check_file(path: Path, fmt: str, *, max_rows: int, task: str | None = None) -> Report:
+    try:
+        with path.open(encoding="utf-8", newline="") as fh:
+            return check_rows(iter_rows(fh, fmt), max_rows=max_rows, task=task)
+    except UnicodeDecodeError as exc:
+        report = Report()
+        report.fail(f"not UTF-8 text (byte {exc.start}): upload JSONL or CSV")
+        return report
+
+
+def load_rows(path: Path, fmt: str) -> list[dict[str, Any]]:
+    """Rows of a file already checked at upload; a bad row here is a bug, so it raises."""
+    out: list[dict[str, Any]] = []
+    with path.open(encoding="utf-8", newline="") as fh:
+        for lineno, row in iter_rows(fh, fmt):
+            if isinstance(row, RowError):
+                raise RowError(f"{path.name} line {lineno}: {row}")
+            out.append(row)
+    return out
+
+
+def sniff_format(sample: bytes) -> str:
+    text = sample.decode("utf-8", errors="replace").lstrip()
+    return "jsonl" if text.startswith("{") else "csv"
+
+
+__all__ = ["FORMATS", "KINDS", "TASK_KINDS", "Report", "RowError", "check_file", "check_rows", "file_format",
+           "iter_rows", "load_rows", "required_columns", "row_kind", "sniff_format"]

@@ -1,0 +1,108 @@
+"""The one validated spec per job. The API builds it from a request; `launch` reads it from spec.json.
+
+Unknown keys are rejected everywhere (`extra="forbid"`), so a typo is an error naming the field, not a
+silently ignored option.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Task = Literal["sequence-classification", "causal-lm"]
+Backend = Literal["torch", "ort", "auto"]
+Optim = Literal["adamw_torch", "adamw_torch_fused", "adamw_ort_fused"]
+Precision = Literal["fp32", "fp16", "bf16"]
+Auto = Literal["auto"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Hyperparameters(Strict):
+    """OpenAI's three ("auto" or a value) plus the knobs a Trainer user expects."""
+
+    n_epochs: Annotated[int, Field(ge=1, le=100)] | Auto = "auto"
+    batch_size: Annotated[int, Field(ge=1, le=4096)] | Auto = "auto"
+    learning_rate_multiplier: Annotated[float, Field(gt=0, le=100)] | Auto = "auto"
+    learning_rate: Annotated[float, Field(gt=0, lt=1)] | None = None
+    max_steps: Annotated[int, Field(ge=1)] | None = None
+    max_seq_length: Annotated[int, Field(ge=8, le=8192)] = 128
+    warmup_ratio: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    weight_decay: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    eval_every_steps: Annotated[int, Field(ge=1)] | None = None
+    gradient_accumulation_steps: Annotated[int, Field(ge=1, le=1024)] = 1
+
+    def resolved(self, n_rows: int) -> ResolvedHyperparameters:
+        batch = self.batch_size if self.batch_size != "auto" else max(1, min(16, n_rows // 8 or 1))
+        epochs = self.n_epochs if self.n_epochs != "auto" else 3
+        base_lr = 5e-5 if self.learning_rate is None else self.learning_rate
+        mult = 1.0 if self.learning_rate_multiplier == "auto" else self.learning_rate_multiplier
+        return ResolvedHyperparameters(
+            n_epochs=epochs, batch_size=batch, learning_rate=base_lr * mult, max_steps=self.max_steps,
+            max_seq_length=self.max_seq_length, warmup_ratio=self.warmup_ratio,
+            weight_decay=self.weight_decay, eval_every_steps=self.eval_every_steps,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+        )
+
+
+class ResolvedHyperparameters(Strict):
+    n_epochs: int
+    batch_size: int
+    learning_rate: float
+    max_steps: int | None
+    max_seq_length: int
+    warmup_ratio: float
+    weight_decay: float
+    eval_every_steps: int | None
+    gradient_accumulation_steps: int
+
+
+class Distributed(Strict):
+    nodes: Annotated[int, Field(ge=1, le=1024)] = 1
+    procs_per_node: Annotated[int, Field(ge=1, le=64)] = 1
+    strategy: Literal["ddp", "zero1"] = "ddp"
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+class TrainingSpec(Strict):
+    """Everything one training run needs, with paths already staged on the local disk."""
+
+    job_id: str
+    task: Task
+    model: str = Field(description="Registry id of the base model.")
+    model_path: str | None = Field(default=None, description="Local directory; None for a built model.")
+    train_file: str
+    train_format: Literal["jsonl", "csv"] = "jsonl"
+    validation_file: str | None = None
+    validation_format: Literal["jsonl", "csv"] = "jsonl"
+    labels: list[str | int] = Field(default_factory=list)
+    output_dir: str
+    hyperparameters: ResolvedHyperparameters
+    backend: Backend = "auto"
+    optim: Optim = "adamw_torch"
+    precision: Precision = "fp32"
+    seed: int = 42
+    checkpoint_every_steps: Annotated[int, Field(ge=1)] | None = None
+    resume_from: str | None = None
+    distributed: Distributed = Distributed()
+
+    @model_validator(mode="after")
+    def _labels_for_classification(self) -> TrainingSpec:
+        if self.task == "sequence-classification" and len(self.labels) < 2:
+            raise ValueError("sequence-classification needs at least two distinct labels in the training file")
+        return self
+
+    @classmethod
+    def load(cls, path: Path) -> TrainingSpec:
+        return cls.model_validate_json(path.read_text())
+
+    def dump(self, path: Path) -> None:
+        path.write_text(json.dumps(self.model_dump(mode="json"), indent=2))

@@ -1,0 +1,76 @@
+"""Build the Hugging Face Trainer for a spec. The ORT engine plugs in here (see backends.choose)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from transformers import Trainer, TrainingArguments
+
+from trainer_core.backends import BackendChoice
+from trainer_core.callbacks import EventCallback
+from trainer_core.data import Collator, Examples
+from trainer_core.events import EventStream
+from trainer_core.spec import TrainingSpec
+
+
+class SpecError(ValueError):
+    """The spec asks for something this machine cannot do; the message says what and why."""
+
+
+def accuracy(pred: Any) -> dict[str, float]:
+    logits, labels = pred.predictions, pred.label_ids
+    if isinstance(logits, tuple):
+        logits = logits[0]
+    return {"accuracy": float((np.argmax(logits, axis=-1) == labels).mean())}
+
+
+def training_arguments(spec: TrainingSpec, choice: BackendChoice, *, cuda: bool, has_eval: bool) -> TrainingArguments:
+    hp = spec.hyperparameters
+    if spec.precision == "fp16" and not cuda:
+        raise SpecError("precision fp16 needs a CUDA GPU; this worker has none (use fp32 or bf16)")
+    every = spec.checkpoint_every_steps
+    return TrainingArguments(
+        output_dir=str(Path(spec.output_dir) / "checkpoints"),
+        per_device_train_batch_size=hp.batch_size,
+        per_device_eval_batch_size=max(hp.batch_size, 16),
+        gradient_accumulation_steps=hp.gradient_accumulation_steps,
+        num_train_epochs=hp.n_epochs,
+        max_steps=hp.max_steps or -1,
+        learning_rate=hp.learning_rate,
+        weight_decay=hp.weight_decay,
+        warmup_steps=hp.warmup_ratio,
+        optim=choice.optim,
+        bf16=spec.precision == "bf16",
+        fp16=spec.precision == "fp16",
+        use_cpu=not cuda,
+        seed=spec.seed,
+        data_seed=spec.seed,
+        logging_steps=1,
+        logging_first_step=True,
+        save_strategy="steps" if every else "no",
+        save_steps=every or 500,
+        save_total_limit=2 if every else None,
+        eval_strategy="steps" if has_eval and hp.eval_every_steps else "no",
+        eval_steps=hp.eval_every_steps,
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+    )
+
+
+def build(spec: TrainingSpec, choice: BackendChoice, model: Any, tokenizer: Any, train: Examples,
+          valid: Examples | None, events: EventStream, *, cuda: bool) -> Trainer:
+    args = training_arguments(spec, choice, cuda=cuda, has_eval=valid is not None)
+    samples_per_step = spec.hyperparameters.batch_size * spec.hyperparameters.gradient_accumulation_steps
+    return Trainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=valid,
+        data_collator=Collator(tokenizer.pad_token_id, spec.task),
+        compute_metrics=accuracy if spec.task == "sequence-classification" else None,
+        callbacks=[EventCallback(events, samples_per_step)],
+    )

@@ -1,0 +1,1 @@
+"""Execution: Celery tasks that run jobs as trainer_core subprocesses and relay what they report."""

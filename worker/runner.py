@@ -1,0 +1,252 @@
+"""Run one job: claim it, stage data and model, launch trainer_core, relay events, store the results.
+
+The body is keyed by the job's status: only a `queued` job is claimed (compare-and-set to `running`), so a
+redelivered task finds nothing to do. The training process runs in its own process group, so a cancel
+stops all of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from ortune.db.base import new_id, utcnow
+from ortune.db.models import Artifact, Checkpoint, File, Job, JobStatus
+from ortune.db.repositories import ArtifactRepository, CheckpointRepository, EventRepository, JobRepository
+from ortune.db.session import session_scope
+from ortune.settings import Settings
+from ortune.storage import ObjectStore, open_store, sha256_file
+from trainer_core import registry, rows
+from trainer_core.spec import ResolvedHyperparameters, TrainingSpec
+from worker.relay import Relay, reader
+
+log = logging.getLogger(__name__)
+TERMINATE_GRACE_S = 8.0
+
+
+@dataclass
+class Outcome:
+    status: JobStatus
+    error: dict[str, Any] | None = None
+
+
+def _store(settings: Settings) -> ObjectStore:
+    return open_store(settings.storage_url, access_key=settings.s3_access_key, secret_key=settings.s3_secret_key,
+                      region=settings.s3_region)
+
+
+def _pack(directory: Path, archive: Path) -> tuple[int, str]:
+    with tarfile.open(archive, "w") as tar:
+        tar.add(directory, arcname=directory.name)
+    return archive.stat().st_size, sha256_file(archive)
+
+
+def _claim(settings: Settings, job_id: str) -> tuple[Job, File, File | None] | None:
+    with session_scope(settings.database_url) as session:
+        jobs = JobRepository(session)
+        job = jobs.get(job_id, for_update=True)
+        if job is None or job.status != JobStatus.queued:
+            return None
+        attempt = job.attempt + 1
+        if not jobs.transition(job_id, JobStatus.running, only_from=[JobStatus.queued], attempt=attempt,
+                               started_at=utcnow(), heartbeat_at=utcnow()):
+            return None
+        EventRepository(session).add(job_id, f"Attempt {attempt} started on worker {os.uname().nodename}")
+        session.refresh(job)
+        train = session.get(File, job.training_file_id)
+        valid = session.get(File, job.validation_file_id) if job.validation_file_id else None
+        assert train is not None
+        return job, train, valid
+
+
+def _stage(settings: Settings, store: ObjectStore, job: Job, train: File, valid: File | None) -> TrainingSpec:
+    workdir = settings.job_work_dir / job.id / f"attempt-{job.attempt}"
+    data = workdir / "data"
+    fmt = rows.file_format(train.object_key) or "jsonl"
+    store.get_to_path(train.object_key, data / f"train.{fmt}")
+    vfmt = rows.file_format(valid.object_key) or "jsonl" if valid else "jsonl"
+    if valid is not None:
+        store.get_to_path(valid.object_key, data / f"valid.{vfmt}")
+    model = registry.resolve(job.model, settings.models_dir)
+    s = job.spec
+    spec = TrainingSpec(
+        job_id=job.id, task=s["task"], model=job.model, model_path=str(model.path) if model.path else None,
+        train_file=str(data / f"train.{fmt}"), train_format=fmt,  # type: ignore[arg-type]
+        validation_file=str(data / f"valid.{vfmt}") if valid else None, validation_format=vfmt,  # type: ignore[arg-type]
+        labels=s["labels"], output_dir=str(workdir / "out"),
+        hyperparameters=ResolvedHyperparameters(**s["resolved_hyperparameters"]),
+        backend=s["backend"], optim=s["optim"], precision=s["precision"], seed=job.seed,
+        checkpoint_every_steps=s.get("checkpoint_every_steps"), distributed=s["distributed"],
+    )
+    spec.dump(workdir / "spec.json")
+    store.put_path(f"jobs/{job.id}/spec.json", workdir / "spec.json")
+    return spec
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(TERMINATE_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+class Execution:
+    """One attempt's subprocess and the handling of what it reports."""
+
+    def __init__(self, settings: Settings, store: ObjectStore, job: Job, spec: TrainingSpec) -> None:
+        self.settings, self.store, self.job, self.spec = settings, store, job, spec
+        self.workdir = Path(spec.output_dir).parent
+        self.relay = Relay(settings.database_url, job.id)
+        self.artifacts: set[str] = set()
+        self.result: dict[str, Any] | None = None
+        self.error: dict[str, Any] | None = None
+
+    def run(self) -> Outcome:
+        log_path = self.workdir / "trainer.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        with log_path.open("w") as log_file:
+            proc = subprocess.Popen(
+                [self.settings.trainer_python, "-m", "trainer_core.launch", str(self.workdir / "spec.json")],
+                stdout=subprocess.PIPE, stderr=log_file, text=True, env=env, start_new_session=True,
+                cwd=self.workdir,
+            )
+            assert proc.stdout is not None
+            events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+            thread = reader(proc.stdout, events, log_file)
+            cancelled = self._pump(proc, events)
+            thread.join(timeout=5)
+            code = proc.wait()
+        status = self.relay.flush()
+        if cancelled or status == JobStatus.cancelled:
+            return Outcome(JobStatus.cancelled)
+        if code == 0 and self.result is not None and {"pytorch", "onnx"} <= self.artifacts:
+            return Outcome(JobStatus.succeeded)
+        if self.error is None:
+            tail = "".join(deque(log_path.open(errors="replace"), maxlen=6)).strip()
+            self.error = {"code": "trainer_crashed",
+                          "message": f"the training process exited with code {code}; last log lines: {tail[-800:]}"}
+        return Outcome(JobStatus.failed, self.error)
+
+    def _pump(self, proc: subprocess.Popen[str], events: queue.Queue[dict[str, Any] | None]) -> bool:
+        last_flush = time.monotonic()
+        done = False
+        while not done:
+            try:
+                event = events.get(timeout=self.settings.event_flush_seconds)
+                if event is None:
+                    done = True
+                else:
+                    self._handle(event)
+            except queue.Empty:
+                pass
+            due = time.monotonic() - last_flush >= self.settings.event_flush_seconds
+            if done or due or len(self.relay.batch) >= self.settings.event_batch_size:
+                if self.relay.flush() == JobStatus.cancelled:
+                    _stop(proc)
+                    return True
+                last_flush = time.monotonic()
+        return False
+
+    def _handle(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        if kind == "checkpoint":
+            self._upload_checkpoint(event)
+        elif kind == "artifact":
+            self._upload_artifact(event)
+        elif kind == "result":
+            self.result = event
+            self.relay.batch.job |= {"result": {"metrics": event.get("metrics"),
+                                                "onnx_max_abs_diff": event.get("onnx_max_abs_diff")},
+                                     "trained_tokens": event.get("trained_tokens")}
+        elif kind == "error":
+            self.error = {"code": str(event.get("code", "training_error")), "message": str(event.get("message"))}
+            self.relay.message(f"Training failed: {self.error['message']}", level="error")
+        else:
+            self.relay.add(event)
+
+    def _upload_checkpoint(self, event: dict[str, Any]) -> None:
+        path, step = Path(str(event["path"])), int(event["step"])
+        if not path.is_dir():
+            self.relay.message(f"checkpoint at step {step} was rotated away before upload", level="warn")
+            return
+        archive = self.workdir / f"checkpoint-{step}.tar"
+        size, digest = _pack(path, archive)
+        key = f"jobs/{self.job.id}/checkpoints/step-{step}.tar"
+        self.store.put_path(key, archive)
+        archive.unlink()
+        metrics = {k: v for k, v in (event.get("metrics") or {}).items() if isinstance(v, int | float)}
+        with session_scope(self.settings.database_url) as session:
+            CheckpointRepository(session).add(Checkpoint(id=new_id("ftckpt"), job_id=self.job.id, step=step,
+                                                         object_key=key, bytes=size, sha256=digest,
+                                                         metrics=metrics))
+        self.relay.message(f"Checkpoint at step {step} stored ({size:,} bytes)", data={"step": step})
+
+    def _upload_artifact(self, event: dict[str, Any]) -> None:
+        fmt, path = str(event["format"]), Path(str(event["path"]))
+        archive = self.workdir / f"{fmt}.tar"
+        size, digest = _pack(path, archive)
+        key = f"jobs/{self.job.id}/artifacts/{fmt}.tar"
+        self.store.put_path(key, archive)
+        archive.unlink()
+        with session_scope(self.settings.database_url) as session:
+            ArtifactRepository(session).put(Artifact(job_id=self.job.id, format=fmt, object_key=key, bytes=size,
+                                                     sha256=digest, manifest=event.get("manifest") or {}))
+        self.artifacts.add(fmt)
+        self.relay.message(f"Stored the {fmt} model ({size:,} bytes, sha256 {digest[:12]}…)")
+
+
+def _finish(settings: Settings, job: Job, outcome: Outcome) -> None:
+    with session_scope(settings.database_url) as session:
+        jobs, events = JobRepository(session), EventRepository(session)
+        if outcome.status == JobStatus.succeeded:
+            name = f"ft:{job.model}:{job.suffix or 'ortune'}:{job.id}"
+            if jobs.transition(job.id, JobStatus.succeeded, only_from=[JobStatus.running], finished_at=utcnow(),
+                               fine_tuned_model=name):
+                events.add(job.id, f"The job has successfully completed: {name}")
+        elif outcome.status == JobStatus.failed:
+            if jobs.transition(job.id, JobStatus.failed, only_from=[JobStatus.running], finished_at=utcnow(),
+                               error=outcome.error):
+                events.add(job.id, f"The job failed: {(outcome.error or {}).get('message')}", level="error")
+        else:
+            events.add(job.id, "Training stopped after the job was cancelled")
+
+
+def run(settings: Settings, job_id: str) -> str:
+    claimed = _claim(settings, job_id)
+    if claimed is None:
+        with session_scope(settings.database_url) as session:
+            status = session.scalar(select(Job.status).where(Job.id == job_id))
+        return f"not claimed (status {status})"
+    job, train, valid = claimed
+    try:
+        store = _store(settings)
+        spec = _stage(settings, store, job, train, valid)
+        outcome = Execution(settings, store, job, spec).run()
+    except Exception as exc:
+        log.exception("job %s failed in the worker", job_id)
+        outcome = Outcome(JobStatus.failed, {"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"})
+    _finish(settings, job, outcome)
+    return outcome.status.value
+
+
+if __name__ == "__main__":  # run one job by hand: python -m worker.runner ftjob-...
+    from ortune.settings import get_settings
+
+    logging.basicConfig(level=logging.INFO)
+    print(run(get_settings(), sys.argv[1]))

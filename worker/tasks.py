@@ -1,0 +1,19 @@
+"""Thin, idempotent tasks: ids in, the runner does the work; a redelivered task finds the job claimed."""
+
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+
+from ortune.queue import RUN_JOB
+from ortune.settings import get_settings
+from worker import runner
+
+log = logging.getLogger(__name__)
+
+
+@shared_task(name=RUN_JOB, acks_late=True, ignore_result=True)
+def run_job(job_id: str) -> None:
+    outcome = runner.run(get_settings(), job_id)
+    log.info("job %s: %s", job_id, outcome)
