@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -56,9 +57,14 @@ def body(message: str, *, code: str, type: str = "invalid_request_error", param:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+_UNION_MEMBER = re.compile(r"^(constrained-|literal\[|function-|is-instance\[|list\[|dict\[|"
+                           r"(int|float|str|bool|none|tagged-union)$)")
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
+    """`hyperparameters.n_epochs`, without pydantic's union-member tags or the request-part prefix."""
     parts = [str(p) for p in loc if p not in ("body", "query", "path", "header", "form")]
-    return ".".join(parts)
+    return ".".join(p for p in parts if not _UNION_MEMBER.match(p))
 
 
 def install(app: FastAPI) -> None:
@@ -69,7 +75,12 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
+        errors, seen = [], set()
+        for err in exc.errors():  # a union reports once per member; the first says it best
+            where = _loc(tuple(err.get("loc", ())))
+            if where not in seen:
+                seen.add(where)
+                errors.append(err)
         messages = []
         for err in errors:
             where = _loc(tuple(err.get("loc", ())))

@@ -22,16 +22,10 @@ from ortune.settings import Settings
 def child_env(settings: Settings) -> dict[str, str]:
     """Pin the resolved settings so every child agrees, whatever its working directory."""
     env = dict(os.environ)
-    env.update({
-        "ORTUNE_DATA_DIR": str(settings.data_dir.resolve()),
-        "ORTUNE_DATABASE_URL": settings.database_url,
-        "ORTUNE_BROKER_URL": settings.broker_url,
-        "ORTUNE_STORAGE_URL": settings.storage_url,
-        "ORTUNE_QUEUE": settings.queue,
-        "ORTUNE_WORK_DIR": str(settings.job_work_dir),
-        "ORTUNE_API_PORT": str(settings.api_port),
-        "PYTHONUNBUFFERED": "1",
-    })
+    for name, value in settings.model_dump().items():
+        if value is not None:
+            env[f"ORTUNE_{name.upper()}"] = str(value.resolve() if isinstance(value, Path) else value)
+    env["PYTHONUNBUFFERED"] = "1"
     return env
 
 

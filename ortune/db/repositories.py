@@ -7,6 +7,8 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from ortune.db.base import utcnow
@@ -121,18 +123,18 @@ class MetricRepository:
         self.session = session
 
     def add_many(self, job_id: str, points: Sequence[tuple[str, int, float]]) -> None:
-        """Insert points, replacing any already stored for the same (name, step): a re-run step wins."""
+        """Upsert points in one statement: a step that is re-run (after a resume) replaces its value."""
         if not points:
             return
         latest = {(name, step): value for name, step, value in points}
-        keys = list(latest)
-        self.session.execute(
-            delete(JobMetric).where(
-                JobMetric.job_id == job_id,
-                or_(*(and_(JobMetric.name == n, JobMetric.step == s) for n, s in keys)),
-            )
-        )
-        self.session.add_all(JobMetric(job_id=job_id, name=n, step=s, value=v) for (n, s), v in latest.items())
+        rows = [{"job_id": job_id, "name": n, "step": s, "value": v} for (n, s), v in latest.items()]
+        dialect = self.session.get_bind().dialect.name
+        insert_fn = {"postgresql": pg_insert, "sqlite": sqlite_insert}[dialect]
+        for i in range(0, len(rows), 2000):  # stay under the backends' bound-parameter limits
+            stmt = insert_fn(JobMetric).values(rows[i:i + 2000])
+            stmt = stmt.on_conflict_do_update(index_elements=["job_id", "name", "step"],
+                                              set_={"value": stmt.excluded.value})
+            self.session.execute(stmt)
         self.session.flush()
 
     def series(self, job_id: str, names: Sequence[str] | None = None) -> dict[str, list[tuple[int, float]]]:

