@@ -17,8 +17,14 @@ class APIError(Exception):
     code = "invalid_request_error"
     type = "invalid_request_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -53,12 +59,16 @@ class Unavailable(APIError):
     type = "server_error"
 
 
-def body(message: str, *, code: str, type: str = "invalid_request_error", param: str | None = None) -> dict[str, Any]:
+def body(
+    message: str, *, code: str, type: str = "invalid_request_error", param: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-_UNION_MEMBER = re.compile(r"^(constrained-|literal\[|function-|is-instance\[|list\[|dict\[|"
-                           r"(int|float|str|bool|none|tagged-union)$)")
+_UNION_MEMBER = re.compile(
+    r"^(constrained-|literal\[|function-|is-instance\[|list\[|dict\[|"
+    r"(int|float|str|bool|none|tagged-union)$)"
+)
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -70,8 +80,11 @@ def _loc(loc: tuple[Any, ...]) -> str:
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(body(exc.message, code=exc.code, type=exc.type, param=exc.param),
-                            status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(
+            body(exc.message, code=exc.code, type=exc.type, param=exc.param),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -91,21 +104,32 @@ def install(app: FastAPI) -> None:
             else:
                 messages.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
         param = _loc(tuple(errors[0].get("loc", ()))) if errors else None
-        return JSONResponse(body("; ".join(messages), code="invalid_request", param=param or None),
-                            status_code=422)
+        return JSONResponse(
+            body("; ".join(messages), code="invalid_request", param=param or None), status_code=422
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse(body(str(exc.detail), code=code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            body(str(exc.detail), code=code),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(OperationalError)
     async def _db_down(_: Request, exc: OperationalError) -> JSONResponse:
-        return JSONResponse(body("the database is unavailable; retry shortly", code="database_unavailable",
-                                 type="server_error"), status_code=503, headers={"Retry-After": "5"})
+        return JSONResponse(
+            body(
+                "the database is unavailable; retry shortly", code="database_unavailable", type="server_error"
+            ),
+            status_code=503,
+            headers={"Retry-After": "5"},
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(body(f"internal error: {type(exc).__name__}", code="internal_error", type="server_error"),
-                            status_code=500)
+        return JSONResponse(
+            body(f"internal error: {type(exc).__name__}", code="internal_error", type="server_error"),
+            status_code=500,
+        )

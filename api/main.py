@@ -13,11 +13,18 @@ from ortune.storage import open_store
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
-    app = FastAPI(title="ortune", version=__version__,
-                  description="Managed fine-tuning jobs in OpenAI's REST shapes, trained with ONNX Runtime.")
+    app = FastAPI(
+        title="ortune",
+        version=__version__,
+        description="Managed fine-tuning jobs in OpenAI's REST shapes, trained with ONNX Runtime.",
+    )
     app.state.settings = settings
-    app.state.store = open_store(settings.storage_url, access_key=settings.s3_access_key,
-                                 secret_key=settings.s3_secret_key, region=settings.s3_region)
+    app.state.store = open_store(
+        settings.storage_url,
+        access_key=settings.s3_access_key,
+        secret_key=settings.s3_secret_key,
+        region=settings.s3_region,
+    )
     errors.install(app)
     for module in (files, jobs, models, health):
         app.include_router(module.router)

@@ -40,9 +40,18 @@ class FileObject(BaseModel):
 
     @classmethod
     def of(cls, f: File) -> FileObject:
-        return cls(id=f.id, bytes=f.bytes, created_at=ts(f.created_at) or 0, filename=f.filename,
-                   purpose=f.purpose, status=f.status.value, status_details=f.status_details,
-                   row_kind=f.row_kind, row_count=f.row_count, sha256=f.sha256)
+        return cls(
+            id=f.id,
+            bytes=f.bytes,
+            created_at=ts(f.created_at) or 0,
+            filename=f.filename,
+            purpose=f.purpose,
+            status=f.status.value,
+            status_details=f.status_details,
+            row_kind=f.row_kind,
+            row_count=f.row_count,
+            sha256=f.sha256,
+        )
 
 
 class FileDeleted(BaseModel):
@@ -146,15 +155,32 @@ class FineTuningJob(BaseModel):
         hp = job.spec["hyperparameters"]
         openai_hp = {k: hp[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier")}
         return cls(
-            id=job.id, created_at=ts(job.created_at) or 0, finished_at=ts(job.finished_at), model=job.model,
-            fine_tuned_model=job.fine_tuned_model, status=job.status.value, training_file=job.training_file_id,
-            validation_file=job.validation_file_id, hyperparameters=openai_hp, trained_tokens=job.trained_tokens,
-            error=JobError(**job.error) if job.error else None, seed=job.seed, suffix=job.suffix,
-            metadata=job.user_metadata, method={"type": "supervised", "supervised": {"hyperparameters": hp}},
-            task=job.task, backend=job.backend_requested, backend_used=job.backend_used,
-            backend_reason=job.backend_reason, optim=job.spec["optim"], precision=job.spec["precision"],
-            priority=job.priority, attempt=job.attempt, progress=Progress(step=job.step, total_steps=job.total_steps),
-            result=job.result, started_at=ts(job.started_at),
+            id=job.id,
+            created_at=ts(job.created_at) or 0,
+            finished_at=ts(job.finished_at),
+            model=job.model,
+            fine_tuned_model=job.fine_tuned_model,
+            status=job.status.value,
+            training_file=job.training_file_id,
+            validation_file=job.validation_file_id,
+            hyperparameters=openai_hp,
+            trained_tokens=job.trained_tokens,
+            error=JobError(**job.error) if job.error else None,
+            seed=job.seed,
+            suffix=job.suffix,
+            metadata=job.user_metadata,
+            method={"type": "supervised", "supervised": {"hyperparameters": hp}},
+            task=job.task,
+            backend=job.backend_requested,
+            backend_used=job.backend_used,
+            backend_reason=job.backend_reason,
+            optim=job.spec["optim"],
+            precision=job.spec["precision"],
+            priority=job.priority,
+            attempt=job.attempt,
+            progress=Progress(step=job.step, total_steps=job.total_steps),
+            result=job.result,
+            started_at=ts(job.started_at),
         )
 
 
@@ -169,8 +195,14 @@ class JobEventObject(BaseModel):
 
     @classmethod
     def of(cls, e: JobEvent) -> JobEventObject:
-        return cls(id=f"ftevent-{e.id}", created_at=ts(e.created_at) or 0, level=e.level, message=e.message,
-                   type=e.type, data=e.data)
+        return cls(
+            id=f"ftevent-{e.id}",
+            created_at=ts(e.created_at) or 0,
+            level=e.level,
+            message=e.message,
+            type=e.type,
+            data=e.data,
+        )
 
 
 class CheckpointObject(BaseModel):
@@ -186,10 +218,16 @@ class CheckpointObject(BaseModel):
 
     @classmethod
     def of(cls, c: Checkpoint, base_model: str) -> CheckpointObject:
-        return cls(id=c.id, created_at=ts(c.created_at) or 0,
-                   fine_tuned_model_checkpoint=f"ft:{base_model}:{c.job_id}:ckpt-step-{c.step}",
-                   fine_tuning_job_id=c.job_id, metrics=c.metrics or {"step": c.step}, step_number=c.step,
-                   bytes=c.bytes, sha256=c.sha256)
+        return cls(
+            id=c.id,
+            created_at=ts(c.created_at) or 0,
+            fine_tuned_model_checkpoint=f"ft:{base_model}:{c.job_id}:ckpt-step-{c.step}",
+            fine_tuning_job_id=c.job_id,
+            metrics=c.metrics or {"step": c.step},
+            step_number=c.step,
+            bytes=c.bytes,
+            sha256=c.sha256,
+        )
 
 
 class ArtifactObject(BaseModel):
@@ -201,8 +239,13 @@ class ArtifactObject(BaseModel):
 
     @classmethod
     def of(cls, a: Artifact) -> ArtifactObject:
-        return cls(format=a.format, bytes=a.bytes, sha256=a.sha256, manifest=a.manifest,
-                   url=f"/v1/fine_tuning/jobs/{a.job_id}/artifacts/{a.format}")
+        return cls(
+            format=a.format,
+            bytes=a.bytes,
+            sha256=a.sha256,
+            manifest=a.manifest,
+            url=f"/v1/fine_tuning/jobs/{a.job_id}/artifacts/{a.format}",
+        )
 
 
 class Series(BaseModel):

@@ -9,14 +9,24 @@ from typing import Annotated, Any
 import typer
 import yaml
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
 from ortune.client import APIError, Client
 from ortune.settings import get_settings
 
-app = typer.Typer(help="ortune: self-hosted fine-tuning jobs (OpenAI-shaped REST, ONNX Runtime training).",
-                  no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="ortune: self-hosted fine-tuning jobs (OpenAI-shaped REST, ONNX Runtime training).",
+    no_args_is_help=True,
+    add_completion=False,
+)
 console = Console()
 TERMINAL = {"succeeded", "failed", "cancelled"}
 ApiUrl = Annotated[str | None, typer.Option("--api", help="API base URL (default: ORTUNE_API_URL)")]
@@ -72,8 +82,11 @@ def _load_spec(path: Path) -> dict[str, Any]:
 
 
 @app.command()
-def submit(job_file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="job spec, YAML or JSON")],
-           api: ApiUrl = None, follow_job: Annotated[bool, typer.Option("--follow")] = False) -> None:
+def submit(
+    job_file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="job spec, YAML or JSON")],
+    api: ApiUrl = None,
+    follow_job: Annotated[bool, typer.Option("--follow")] = False,
+) -> None:
     """Submit a job. training_file/validation_file may be local paths; they are uploaded first."""
     client = _client(api)
     spec = _load_spec(job_file)
@@ -103,8 +116,14 @@ def jobs(api: ApiUrl = None, limit: int = 20) -> None:
     table = Table("id", "model", "status", "backend", "step", "created")
     for job in page["data"]:
         p = job["progress"]
-        table.add_row(job["id"], job["model"], job["status"], job["backend_used"] or job["backend"],
-                      f"{p['step']}/{p['total_steps'] or '?'}", time.strftime("%Y-%m-%d %H:%M", time.localtime(job["created_at"])))
+        table.add_row(
+            job["id"],
+            job["model"],
+            job["status"],
+            job["backend_used"] or job["backend"],
+            f"{p['step']}/{p['total_steps'] or '?'}",
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(job["created_at"])),
+        )
     console.print(table)
 
 
@@ -113,8 +132,13 @@ def follow(job_id: str, api: ApiUrl = None, interval: float = 1.0) -> None:
     """Follow a job: a progress bar with step, loss and ETA, and its messages, until it ends."""
     client = _client(api)
     last_event, job = 0, client.job(job_id)
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn()]
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=console) as bar:
         task = bar.add_task(job["status"], total=None, loss="-")
         while True:
@@ -141,15 +165,26 @@ def follow(job_id: str, api: ApiUrl = None, interval: float = 1.0) -> None:
 
 
 @app.command()
-def download(job_id: str, format: Annotated[str, typer.Option("--format", "-f", help="pytorch or onnx")] = "pytorch",
-             output: Annotated[Path | None, typer.Option("--output", "-o")] = None, api: ApiUrl = None) -> None:
+def download(
+    job_id: str,
+    format: Annotated[str, typer.Option("--format", "-f", help="pytorch or onnx")] = "pytorch",
+    output: Annotated[Path | None, typer.Option("--output", "-o")] = None,
+    api: ApiUrl = None,
+) -> None:
     """Download a job's model as a tar archive; resumes a partial file and verifies the sha256."""
     dest = output or Path(f"{job_id}-{format}.tar")
-    columns = [TextColumn(dest.name), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn()]
+    columns = [
+        TextColumn(dest.name),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=console) as bar:
         task = bar.add_task("download", total=None)
-        digest = _client(api).download(job_id, format, dest,
-                                       lambda done, total: bar.update(task, completed=done, total=total))
+        digest = _client(api).download(
+            job_id, format, dest, lambda done, total: bar.update(task, completed=done, total=total)
+        )
     console.print(f"{dest} sha256 {digest} [green]verified[/]")
 
 
@@ -167,5 +202,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-

@@ -19,8 +19,12 @@ class APIError(RuntimeError):
         super().__init__(f"HTTP {status} {self.code}: {err.get('message', body)}{where}")
 
 
-_transient = retry(retry=retry_if_exception_type(httpx.TransportError), stop=stop_after_attempt(5),
-                   wait=wait_exponential(multiplier=0.2, max=3), reraise=True)
+_transient = retry(
+    retry=retry_if_exception_type(httpx.TransportError),
+    stop=stop_after_attempt(5),
+    wait=wait_exponential(multiplier=0.2, max=3),
+    reraise=True,
+)
 
 
 class Client:
@@ -46,23 +50,27 @@ class Client:
 
     def upload(self, path: Path, purpose: str = "fine-tune") -> dict[str, Any]:
         with path.open("rb") as fh:
-            return self._json(self.http.post("/v1/files", files={"file": (path.name, fh)},
-                                             data={"purpose": purpose}))
+            return self._json(
+                self.http.post("/v1/files", files={"file": (path.name, fh)}, data={"purpose": purpose})
+            )
 
     def create_job(self, **spec: Any) -> dict[str, Any]:
-        return self.post("/v1/fine_tuning/jobs", json=spec)  # type: ignore[no-any-return]
+        return self.post("/v1/fine_tuning/jobs", json=spec)
 
     def job(self, job_id: str) -> dict[str, Any]:
-        return self.get(f"/v1/fine_tuning/jobs/{job_id}")  # type: ignore[no-any-return]
+        return self.get(f"/v1/fine_tuning/jobs/{job_id}")
 
     def events_since(self, job_id: str, last_id: int) -> list[dict[str, Any]]:
         """Events newer than `last_id`, oldest first."""
         page = self.get(f"/v1/fine_tuning/jobs/{job_id}/events", limit=100)
-        return sorted((e for e in page["data"] if int(e["id"].split("-")[1]) > last_id),
-                      key=lambda e: int(e["id"].split("-")[1]))
+        return sorted(
+            (e for e in page["data"] if int(e["id"].split("-")[1]) > last_id),
+            key=lambda e: int(e["id"].split("-")[1]),
+        )
 
-    def download(self, job_id: str, fmt: str, dest: Path,
-                 progress: Callable[[int, int], None] | None = None) -> str:
+    def download(
+        self, job_id: str, fmt: str, dest: Path, progress: Callable[[int, int], None] | None = None
+    ) -> str:
         """Stream an artifact to dest, resuming a partial file with Range; returns the verified sha256."""
         url = f"/v1/fine_tuning/jobs/{job_id}/artifacts/{fmt}"
         have = dest.stat().st_size if dest.exists() else 0
@@ -76,8 +84,11 @@ class Client:
                     self._json(response)
                 expected = response.headers["x-ortune-sha256"]
                 partial = response.status_code == 206
-                total = int(response.headers["content-range"].rsplit("/", 1)[1]) if partial else int(
-                    response.headers["content-length"])
+                total = (
+                    int(response.headers["content-range"].rsplit("/", 1)[1])
+                    if partial
+                    else int(response.headers["content-length"])
+                )
                 done = start if partial else 0
                 with dest.open("ab" if partial else "wb") as out:
                     for chunk in response.iter_bytes(1 << 20):
@@ -92,5 +103,7 @@ class Client:
                 digest.update(chunk)
         if digest.hexdigest() != expected:
             dest.unlink()
-            raise RuntimeError(f"checksum mismatch for {dest.name}: got {digest.hexdigest()}, expected {expected}")
+            raise RuntimeError(
+                f"checksum mismatch for {dest.name}: got {digest.hexdigest()}, expected {expected}"
+            )
         return expected

@@ -56,7 +56,9 @@ def onnx_accuracy(model_dir: Path, rows: list[dict[str, Any]]) -> float:
     enc = tok([r["text"] for r in rows], padding=True, truncation=True, max_length=128, return_tensors="np")
     logits = session.run(["logits"], {n: enc[n] for n in manifest["inputs"]})[0]
     labels = manifest["labels"]
-    return sum(str(labels[p]) == str(r["label"]) for p, r in zip(logits.argmax(-1), rows, strict=True)) / len(rows)
+    return sum(str(labels[p]) == str(r["label"]) for p, r in zip(logits.argmax(-1), rows, strict=True)) / len(
+        rows
+    )
 
 
 def run_demo(console: Console, *, keep: bool = False) -> int:
@@ -76,10 +78,14 @@ def run_demo(console: Console, *, keep: bool = False) -> int:
         train = client.upload(DATA / "sentiment_train.jsonl")
         valid = client.upload(DATA / "sentiment_valid.jsonl")
         console.print(f"uploaded {train['row_count']} training and {valid['row_count']} validation rows")
-        job = client.create_job(model=MODEL, training_file=train["id"], validation_file=valid["id"],
-                                suffix="sentiment", seed=7,
-                                hyperparameters={"n_epochs": 3, "batch_size": 16, "learning_rate": 1e-4,
-                                                 "max_seq_length": 64})
+        job = client.create_job(
+            model=MODEL,
+            training_file=train["id"],
+            validation_file=valid["id"],
+            suffix="sentiment",
+            seed=7,
+            hyperparameters={"n_epochs": 3, "batch_size": 16, "learning_rate": 1e-4, "max_seq_length": 64},
+        )
         console.print(f"submitted {job['id']}")
         follow(job["id"], api=settings.api_url, interval=0.5)
         series = client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics", name="eval_accuracy")["data"]
@@ -90,7 +96,9 @@ def run_demo(console: Console, *, keep: bool = False) -> int:
             for fmt in ("pytorch", "onnx"):
                 archive = Path(tmp) / f"{job['id']}-{fmt}.tar"
                 digest = client.download(job["id"], fmt, archive)
-                console.print(f"downloaded {fmt}: {archive.stat().st_size:,} bytes, sha256 {digest[:16]}… verified")
+                console.print(
+                    f"downloaded {fmt}: {archive.stat().st_size:,} bytes, sha256 {digest[:16]}… verified"
+                )
                 model_dir = _extract(archive, Path(tmp))
                 results[fmt] = (pytorch_accuracy if fmt == "pytorch" else onnx_accuracy)(model_dir, rows)
         table = Table("validation accuracy", "value", title=f"{MODEL} on {len(rows)} held-out sentences")
@@ -99,8 +107,10 @@ def run_demo(console: Console, *, keep: bool = False) -> int:
         table.add_row("after, ONNX artifact in onnxruntime", f"{results['onnx']:.3f}")
         console.print(table)
         final = client.job(job["id"])
-        console.print(f"backend used: {final['backend_used']} ({final['backend_reason'] or 'as requested'}); "
-                      f"ONNX parity max |Δlogit| {final['result']['onnx_max_abs_diff']:.2e}")
+        console.print(
+            f"backend used: {final['backend_used']} ({final['backend_reason'] or 'as requested'}); "
+            f"ONNX parity max |Δlogit| {final['result']['onnx_max_abs_diff']:.2e}"
+        )
         if min(results.values()) <= before:
             console.print("[red]accuracy after training did not beat accuracy before[/]")
             return 1

@@ -54,14 +54,42 @@ class Services:
 
 
 def api_command(settings: Settings) -> list[str]:
-    return [sys.executable, "-m", "uvicorn", "--factory", "api.main:app", "--host", settings.api_host,
-            "--port", str(settings.api_port), "--log-level", "warning"]
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--factory",
+        "api.main:app",
+        "--host",
+        settings.api_host,
+        "--port",
+        str(settings.api_port),
+        "--log-level",
+        "info",
+    ]
 
 
 def worker_command(settings: Settings, name: str = "") -> list[str]:
-    return [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "-Q", settings.queue,
-            "--pool", "solo", "--concurrency", "1", "--loglevel", "INFO",
-            "-n", name or f"ortune-{os.getpid()}@%h", "--without-gossip", "--without-mingle"]
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "worker.celery_app",
+        "worker",
+        "-Q",
+        settings.queue,
+        "--pool",
+        "solo",
+        "--concurrency",
+        "1",
+        "--loglevel",
+        "INFO",
+        "-n",
+        name or f"ortune-{os.getpid()}@%h",
+        "--without-gossip",
+        "--without-mingle",
+    ]
 
 
 def wait_healthy(url: str, timeout: float = 60.0, proc: subprocess.Popen[bytes] | None = None) -> None:
@@ -70,15 +98,20 @@ def wait_healthy(url: str, timeout: float = 60.0, proc: subprocess.Popen[bytes] 
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the API process exited with code {proc.returncode} before answering")
         try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
+            response = httpx.get(f"{url}/healthz", timeout=2)
+            if response.status_code == 200:
+                if proc is None or response.json().get("pid") == proc.pid:
+                    return
+                raise RuntimeError(f"another server already answers at {url}; choose another ORTUNE_API_PORT")
         except httpx.TransportError:
             pass
         time.sleep(0.2)
     raise TimeoutError(f"the API did not answer at {url} within {timeout:.0f}s")
 
 
-def start(settings: Settings, *, api: bool = True, worker: bool = True, log_dir: Path | None = None) -> Services:
+def start(
+    settings: Settings, *, api: bool = True, worker: bool = True, log_dir: Path | None = None
+) -> Services:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database_url)
     env = child_env(settings)
@@ -88,8 +121,9 @@ def start(settings: Settings, *, api: bool = True, worker: bool = True, log_dir:
     try:
         if worker:
             with (log_dir / "worker.log").open("ab") as log:
-                services.procs.append(subprocess.Popen(worker_command(settings), env=env, stdout=log,
-                                                       stderr=subprocess.STDOUT))
+                services.procs.append(
+                    subprocess.Popen(worker_command(settings), env=env, stdout=log, stderr=subprocess.STDOUT)
+                )
         if api:
             with (log_dir / "api.log").open("ab") as log:
                 proc = subprocess.Popen(api_command(settings), env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -6,9 +6,9 @@ are sent only after the row they name is committed (see `on_commit`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import lru_cache
-import logging
 from typing import Any
 
 from celery import Celery

@@ -173,8 +173,10 @@ class S3Store:
         self.client.head_bucket(Bucket=self.bucket)
 
 
-def open_store(url: str, *, access_key: str = "", secret_key: str = "", region: str = "us-east-1") -> ObjectStore:
-    """`file:///path` or `s3://bucket?endpoint_url=http://host:port` (credentials from settings or AWS env)."""
+def open_store(
+    url: str, *, access_key: str = "", secret_key: str = "", region: str = "us-east-1"
+) -> ObjectStore:
+    """`file:///path` or `s3://bucket?endpoint_url=http://host:port` (credentials from settings)."""
     parsed = urlparse(url)
     if parsed.scheme == "file":
         return LocalStore(Path(parsed.netloc + parsed.path))
@@ -189,8 +191,11 @@ def open_store(url: str, *, access_key: str = "", secret_key: str = "", region: 
             region_name=query.get("region", region),
             aws_access_key_id=access_key or None,
             aws_secret_access_key=secret_key or None,
-            config=Config(retries={"max_attempts": 5, "mode": "standard"}, s3={"addressing_style": "path"},
-                          signature_version="s3v4"),
+            config=Config(
+                retries={"max_attempts": 5, "mode": "standard"},
+                s3={"addressing_style": "path"},
+                signature_version="s3v4",
+            ),
         )
         store = S3Store(parsed.netloc, client)
         store.ensure_bucket()

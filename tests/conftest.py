@@ -57,8 +57,12 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[services.S3Server]:
 
 
 def embedded_settings(tmp: Path, **overrides: Any) -> Settings:
-    return Settings(data_dir=tmp / "state", api_port=services.free_port(), queue=f"ortune.test.{uuid.uuid4().hex[:8]}",
-                    **overrides)
+    return Settings(
+        data_dir=tmp / "state",
+        api_port=services.free_port(),
+        queue=f"ortune.test.{uuid.uuid4().hex[:8]}",
+        **overrides,
+    )
 
 
 @pytest.fixture(params=["embedded", "production"])
@@ -75,10 +79,16 @@ def settings(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Setting
     s3 = request.getfixturevalue("s3")
     name = f"ortune_t_{uuid.uuid4().hex[:10]}"
     url = services.create_database(server, name, template=template)
-    yield Settings(data_dir=tmp_path / "state", database_url=url, broker_url=redis_url,
-                   storage_url=s3.url(f"ortune-{uuid.uuid4().hex[:8]}"), s3_access_key=s3.access_key,
-                   s3_secret_key=s3.secret_key, api_port=services.free_port(),
-                   queue=f"ortune.test.{uuid.uuid4().hex[:8]}")
+    yield Settings(
+        data_dir=tmp_path / "state",
+        database_url=url,
+        broker_url=redis_url,
+        storage_url=s3.url(f"ortune-{uuid.uuid4().hex[:8]}"),
+        s3_access_key=s3.access_key,
+        s3_secret_key=s3.secret_key,
+        api_port=services.free_port(),
+        queue=f"ortune.test.{uuid.uuid4().hex[:8]}",
+    )
     from ortune.db.session import make_engine
 
     make_engine(url).dispose()
@@ -98,7 +108,9 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 def upload(client: TestClient, path: Path, **fields: str) -> Any:
     with path.open("rb") as fh:
-        return client.post("/v1/files", files={"file": (path.name, fh)}, data={"purpose": "fine-tune", **fields})
+        return client.post(
+            "/v1/files", files={"file": (path.name, fh)}, data={"purpose": "fine-tune", **fields}
+        )
 
 
 @pytest.fixture

@@ -65,8 +65,10 @@ def postgres(tmp: Path) -> Iterator[str]:
     bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
     initdb = shutil.which("initdb") or (bins[-1] if bins else None)
     if initdb is None:
-        raise RuntimeError("no Postgres answers on 127.0.0.1:5432 and no initdb is installed "
-                           "(apt install postgresql, or set ORTUNE_TEST_POSTGRES_URL)")
+        raise RuntimeError(
+            "no Postgres answers on 127.0.0.1:5432 and no initdb is installed "
+            "(apt install postgresql, or set ORTUNE_TEST_POSTGRES_URL)"
+        )
     pg_ctl = str(Path(initdb).with_name("pg_ctl"))
     data, port = tmp / "pgdata", free_port()
     data.mkdir()
@@ -75,11 +77,25 @@ def postgres(tmp: Path) -> Iterator[str]:
         shutil.chown(tmp, "postgres")
         shutil.chown(data, "postgres")
         prefix = ["runuser", "-u", "postgres", "--"]
-    subprocess.run([*prefix, initdb, "-D", str(data), "-A", "trust", "-U", "postgres"], check=True,
-                   capture_output=True)
-    subprocess.run([*prefix, pg_ctl, "-D", str(data), "-l", str(data / "log"), "-w", "-o",
-                    f"-p {port} -k {data} -c listen_addresses=127.0.0.1 -c fsync=off", "start"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [*prefix, initdb, "-D", str(data), "-A", "trust", "-U", "postgres"], check=True, capture_output=True
+    )
+    subprocess.run(
+        [
+            *prefix,
+            pg_ctl,
+            "-D",
+            str(data),
+            "-l",
+            str(data / "log"),
+            "-w",
+            "-o",
+            f"-p {port} -k {data} -c listen_addresses=127.0.0.1 -c fsync=off",
+            "start",
+        ],
+        check=True,
+        capture_output=True,
+    )
     try:
         yield f"postgresql://postgres@127.0.0.1:{port}"
     finally:
@@ -107,11 +123,27 @@ def redis(tmp: Path) -> Iterator[str]:
         return
     binary = shutil.which("redis-server")
     if binary is None:
-        raise RuntimeError("no Redis answers on 127.0.0.1:6379 and redis-server is not installed "
-                           "(apt install redis-server, or set ORTUNE_TEST_REDIS_URL)")
+        raise RuntimeError(
+            "no Redis answers on 127.0.0.1:6379 and redis-server is not installed "
+            "(apt install redis-server, or set ORTUNE_TEST_REDIS_URL)"
+        )
     port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     try:
         _wait(lambda: answers("127.0.0.1", port), "redis-server")
         yield f"redis://127.0.0.1:{port}/0"
@@ -141,21 +173,55 @@ def _weed() -> str:
 def seaweedfs(tmp: Path) -> Iterator[S3Server]:
     tmp.mkdir(parents=True, exist_ok=True)
     config = tmp / "s3.json"
-    config.write_text(json.dumps({"identities": [{
-        "name": "ortune", "credentials": [{"accessKey": S3_ACCESS, "secretKey": S3_SECRET}],
-        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-    ports = {flag: free_port() for flag in (
-        "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-        "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc", "webdav.port", "metricsPort")}
-    cmd = [_weed(), "mini", f"-dir={tmp / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-           f"-s3.config={config}", *(f"-{flag}={port}" for flag, port in ports.items())]
+    config.write_text(
+        json.dumps(
+            {
+                "identities": [
+                    {
+                        "name": "ortune",
+                        "credentials": [{"accessKey": S3_ACCESS, "secretKey": S3_SECRET}],
+                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                    }
+                ]
+            }
+        )
+    )
+    ports = {
+        flag: free_port()
+        for flag in (
+            "master.port",
+            "master.port.grpc",
+            "volume.port",
+            "volume.port.grpc",
+            "filer.port",
+            "filer.port.grpc",
+            "s3.port",
+            "s3.port.grpc",
+            "admin.port",
+            "admin.port.grpc",
+            "webdav.port",
+            "metricsPort",
+        )
+    }
+    cmd = [
+        _weed(),
+        "mini",
+        f"-dir={tmp / 'data'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-s3.config={config}",
+        *(f"-{flag}={port}" for flag, port in ports.items()),
+    ]
     (tmp / "data").mkdir(exist_ok=True)
     log = (tmp / "weed.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
     try:
-        _wait(lambda: proc.poll() is None and httpx.get(endpoint, timeout=2).status_code in (200, 403),
-              f"SeaweedFS S3 (see {tmp / 'weed.log'})", timeout=90)
+        _wait(
+            lambda: proc.poll() is None and httpx.get(endpoint, timeout=2).status_code in (200, 403),
+            f"SeaweedFS S3 (see {tmp / 'weed.log'})",
+            timeout=90,
+        )
         yield S3Server(endpoint)
     finally:
         proc.terminate()

@@ -38,15 +38,19 @@ def test_csv_upload_with_each_kind(client: TestClient, tmp_path: Path) -> None:
     assert (body["status"], body["row_kind"], body["row_count"]) == ("processed", "text_label", 2)
     pc = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "2+2=", "completion": "4"}])
     assert upload(client, pc).json()["row_kind"] == "prompt_completion"
-    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
-                                                               {"role": "assistant", "content": "hello"}]}])
+    chat = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}],
+    )
     assert upload(client, chat).json()["row_kind"] == "chat"
 
 
 def test_bad_rows_are_reported_with_their_line(client: TestClient, tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"text": "fine", "label": "a"}\n{"text": "no label"}\nnot json\n{"label": "b"}\n'
-                    '{"text": "", "label": "a"}\n')
+    path.write_text(
+        '{"text": "fine", "label": "a"}\n{"text": "no label"}\nnot json\n{"label": "b"}\n'
+        '{"text": "", "label": "a"}\n'
+    )
     body = upload(client, path).json()
     assert body["status"] == "error"
     details = body["status_details"]
@@ -127,8 +131,11 @@ def test_not_utf8(client: TestClient, tmp_path: Path) -> None:
 
 
 def test_unknown_file_is_404(client: TestClient) -> None:
-    for method, url in (("GET", "/v1/files/file-nope"), ("GET", "/v1/files/file-nope/content"),
-                        ("DELETE", "/v1/files/file-nope")):
+    for method, url in (
+        ("GET", "/v1/files/file-nope"),
+        ("GET", "/v1/files/file-nope/content"),
+        ("DELETE", "/v1/files/file-nope"),
+    ):
         response = client.request(method, url)
         assert response.status_code == 404
         assert response.json()["error"]["code"] == "file_not_found"

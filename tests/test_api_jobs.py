@@ -1,4 +1,4 @@
-"""/v1/fine_tuning/jobs against both configurations: validation, paging, cancel, events, metrics, artifacts."""
+"""/v1/fine_tuning/jobs on both configurations: validation, paging, cancel, events, metrics, artifacts."""
 
 from __future__ import annotations
 
@@ -27,36 +27,61 @@ def _jobs(client: TestClient) -> list[dict[str, Any]]:
 
 
 def test_create_and_retrieve(client: TestClient, train_file: dict[str, Any]) -> None:
-    response = create(client, model="tiny-bert", training_file=train_file["id"], suffix="mine", seed=3,
-                      metadata={"team": "nlp"}, hyperparameters={"n_epochs": 2, "batch_size": 4},
-                      backend="torch", checkpoint_every_steps=5)
+    response = create(
+        client,
+        model="tiny-bert",
+        training_file=train_file["id"],
+        suffix="mine",
+        seed=3,
+        metadata={"team": "nlp"},
+        hyperparameters={"n_epochs": 2, "batch_size": 4},
+        backend="torch",
+        checkpoint_every_steps=5,
+    )
     assert response.status_code == 200, response.text
     job = response.json()
     assert job["object"] == "fine_tuning.job" and job["id"].startswith("ftjob-")
     assert job["status"] == "queued" and job["task"] == "sequence-classification"
     assert job["hyperparameters"] == {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": "auto"}
-    assert (job["seed"], job["suffix"], job["metadata"], job["backend"]) == (3, "mine", {"team": "nlp"}, "torch")
+    assert (job["seed"], job["suffix"], job["metadata"], job["backend"]) == (
+        3,
+        "mine",
+        {"team": "nlp"},
+        "torch",
+    )
     assert client.get(f"/v1/fine_tuning/jobs/{job['id']}").json() == job
     events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events").json()["data"]
     assert events[0]["message"].startswith("Created fine-tuning job")
 
 
 def test_openai_method_shape(client: TestClient, train_file: dict[str, Any]) -> None:
-    job = create(client, model="tiny-bert", training_file=train_file["id"],
-                 method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 4}}}).json()
+    job = create(
+        client,
+        model="tiny-bert",
+        training_file=train_file["id"],
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 4}}},
+    ).json()
     assert job["hyperparameters"]["n_epochs"] == 4
 
 
-@pytest.mark.parametrize(("body", "param", "fragment"), [
-    ({"colour": "red"}, "colour", "unknown field 'colour'"),
-    ({"hyperparameters": {"n_epoch": 3}}, "hyperparameters.n_epoch", "unknown field 'hyperparameters.n_epoch'"),
-    ({"hyperparameters": {"n_epochs": 0}}, "hyperparameters.n_epochs", "greater than or equal to 1"),
-    ({"backend": "tpu"}, "backend", "backend"),
-    ({"suffix": "no spaces"}, "suffix", "suffix"),
-    ({"distributed": {"nodes": 2, "strategy": "zero3"}}, "distributed.strategy", "strategy"),
-])
-def test_invalid_payload_is_422_naming_the_field(client: TestClient, train_file: dict[str, Any],
-                                                body: dict[str, Any], param: str, fragment: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        ({"colour": "red"}, "colour", "unknown field 'colour'"),
+        (
+            {"hyperparameters": {"n_epoch": 3}},
+            "hyperparameters.n_epoch",
+            "unknown field 'hyperparameters.n_epoch'",
+        ),
+        ({"hyperparameters": {"n_epochs": 0}}, "hyperparameters.n_epochs", "greater than or equal to 1"),
+        ({"backend": "tpu"}, "backend", "backend"),
+        ({"suffix": "no spaces"}, "suffix", "suffix"),
+        ({"distributed": {"nodes": 2, "strategy": "zero3"}}, "distributed.strategy", "strategy"),
+    ],
+)
+def test_invalid_payload_is_422_naming_the_field(
+    client: TestClient, train_file: dict[str, Any], body: dict[str, Any], param: str, fragment: str
+) -> None:
     response = create(client, model="tiny-bert", training_file=train_file["id"], **body)
     assert response.status_code == 422
     err = response.json()["error"]
@@ -72,7 +97,10 @@ def test_missing_model_is_422(client: TestClient, train_file: dict[str, Any]) ->
 def test_unknown_model_and_file_are_404_with_param(client: TestClient, train_file: dict[str, Any]) -> None:
     response = create(client, model="gpt-99", training_file=train_file["id"])
     assert response.status_code == 404
-    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == ("model", "model_not_found")
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (
+        "model",
+        "model_not_found",
+    )
     response = create(client, model="tiny-bert", training_file="file-missing")
     assert response.status_code == 404 and response.json()["error"]["param"] == "training_file"
     response = create(client, model="tiny-bert", training_file=train_file["id"], validation_file="file-x")
@@ -80,13 +108,20 @@ def test_unknown_model_and_file_are_404_with_param(client: TestClient, train_fil
     assert _jobs(client) == []
 
 
-def test_files_that_do_not_fit_the_job(client: TestClient, tmp_path: Path, train_file: dict[str, Any]) -> None:
+def test_files_that_do_not_fit_the_job(
+    client: TestClient, tmp_path: Path, train_file: dict[str, Any]
+) -> None:
     bad = upload(client, write_jsonl(tmp_path / "bad.jsonl", [{"nope": 1}])).json()
     response = create(client, model="tiny-bert", training_file=bad["id"])
     assert response.status_code == 400
-    assert response.json()["error"]["param"] == "training_file" and "line 1" in response.json()["error"]["message"]
+    assert (
+        response.json()["error"]["param"] == "training_file"
+        and "line 1" in response.json()["error"]["message"]
+    )
     text_only = upload(client, write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}] * 4)).json()
-    response = create(client, model="tiny-bert", training_file=text_only["id"], task="sequence-classification")
+    response = create(
+        client, model="tiny-bert", training_file=text_only["id"], task="sequence-classification"
+    )
     assert response.status_code == 400 and "{label, text}" in response.json()["error"]["message"]
     response = create(client, model="tiny-bert", training_file=text_only["id"])  # infers causal-lm
     assert response.status_code == 400 and response.json()["error"]["param"] == "model"
@@ -96,8 +131,12 @@ def test_files_that_do_not_fit_the_job(client: TestClient, tmp_path: Path, train
     other = upload(client, write_jsonl(tmp_path / "v.jsonl", [{"text": "a", "label": "maybe"}])).json()
     response = create(client, model="tiny-bert", training_file=train_file["id"], validation_file=other["id"])
     assert response.status_code == 400 and "maybe" in response.json()["error"]["message"]
-    response = create(client, model="tiny-bert", training_file=train_file["id"],
-                      distributed={"nodes": 2, "procs_per_node": 1})
+    response = create(
+        client,
+        model="tiny-bert",
+        training_file=train_file["id"],
+        distributed={"nodes": 2, "procs_per_node": 1},
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "distributed"
     assert _jobs(client) == []
 
@@ -106,8 +145,9 @@ def test_max_steps_limit(settings: Settings, train_file: dict[str, Any]) -> None
     from api.main import create_app
 
     with TestClient(create_app(settings.model_copy(update={"max_steps": 10}))) as client:
-        response = create(client, model="tiny-bert", training_file=train_file["id"],
-                          hyperparameters={"max_steps": 11})
+        response = create(
+            client, model="tiny-bert", training_file=train_file["id"], hyperparameters={"max_steps": 11}
+        )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "hyperparameters.max_steps"
 
@@ -116,7 +156,9 @@ def test_cursor_pages(client: TestClient, train_file: dict[str, Any]) -> None:
     ids = [create(client, model="tiny-bert", training_file=train_file["id"]).json()["id"] for _ in range(5)]
     seen, after = [], None
     while True:
-        page = client.get("/v1/fine_tuning/jobs", params={"limit": 2, **({"after": after} if after else {})}).json()
+        page = client.get(
+            "/v1/fine_tuning/jobs", params={"limit": 2, **({"after": after} if after else {})}
+        ).json()
         seen += [j["id"] for j in page["data"]]
         if not page["has_more"]:
             break
@@ -146,14 +188,17 @@ def test_events_page_newest_first(client: TestClient, settings: Settings, train_
     assert [e["message"] for e in page["data"]] == ["Step 3", "message 4", "message 3"]
     assert page["data"][0]["type"] == "metrics" and page["data"][0]["data"]["train_loss"] == 0.5
     assert page["has_more"]
-    rest = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", params={"after": page["data"][-1]["id"]}).json()
+    rest = client.get(
+        f"/v1/fine_tuning/jobs/{job['id']}/events", params={"after": page["data"][-1]["id"]}
+    ).json()
     assert [e["message"] for e in rest["data"]][:3] == ["message 2", "message 1", "message 0"]
     bad = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", params={"after": "yesterday"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
 
 
-def test_metrics_are_downsampled_on_the_server(client: TestClient, settings: Settings,
-                                               train_file: dict[str, Any]) -> None:
+def test_metrics_are_downsampled_on_the_server(
+    client: TestClient, settings: Settings, train_file: dict[str, Any]
+) -> None:
     job = create(client, model="tiny-bert", training_file=train_file["id"]).json()
     with session_scope(settings.database_url) as session:
         MetricRepository(session).add_many(job["id"], [("train_loss", s, 1.0 / (s + 1)) for s in range(3000)])
@@ -164,22 +209,36 @@ def test_metrics_are_downsampled_on_the_server(client: TestClient, settings: Set
     small = client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics", params={"max_points": 100}).json()
     series = small["data"]["train_loss"]
     assert small["downsampled"] is True and len(series["steps"]) <= 100
-    assert series["steps"][0] == 0 and series["steps"][-1] == 2999 and series["steps"] == sorted(series["steps"])
+    assert (
+        series["steps"][0] == 0 and series["steps"][-1] == 2999 and series["steps"] == sorted(series["steps"])
+    )
 
 
-def test_artifact_download_with_range(client: TestClient, settings: Settings, train_file: dict[str, Any]) -> None:
+def test_artifact_download_with_range(
+    client: TestClient, settings: Settings, train_file: dict[str, Any]
+) -> None:
     job = create(client, model="tiny-bert", training_file=train_file["id"]).json()
     missing = client.get(f"/v1/fine_tuning/jobs/{job['id']}/artifacts/onnx")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "artifact_not_found"
     assert client.get(f"/v1/fine_tuning/jobs/{job['id']}/artifacts/safetensors").status_code == 422
     payload = bytes(range(256)) * 8192  # 2 MiB, several chunks
     key = f"jobs/{job['id']}/artifacts/onnx.tar"
-    store = open_store(settings.storage_url, access_key=settings.s3_access_key, secret_key=settings.s3_secret_key)
+    store = open_store(
+        settings.storage_url, access_key=settings.s3_access_key, secret_key=settings.s3_secret_key
+    )
     store.put_fileobj(key, io.BytesIO(payload))
     digest = hashlib.sha256(payload).hexdigest()
     with session_scope(settings.database_url) as session:
-        ArtifactRepository(session).put(Artifact(job_id=job["id"], format="onnx", object_key=key,
-                                                 bytes=len(payload), sha256=digest, manifest={"format": "onnx"}))
+        ArtifactRepository(session).put(
+            Artifact(
+                job_id=job["id"],
+                format="onnx",
+                object_key=key,
+                bytes=len(payload),
+                sha256=digest,
+                manifest={"format": "onnx"},
+            )
+        )
     url = f"/v1/fine_tuning/jobs/{job['id']}/artifacts/onnx"
     whole = client.get(url)
     assert whole.status_code == 200 and whole.content == payload
@@ -196,20 +255,23 @@ def test_artifact_download_with_range(client: TestClient, settings: Settings, tr
     assert listed[0]["sha256"] == digest and listed[0]["url"] == url
 
 
-def test_models_list_base_and_fine_tuned(client: TestClient, settings: Settings,
-                                         train_file: dict[str, Any]) -> None:
+def test_models_list_base_and_fine_tuned(
+    client: TestClient, settings: Settings, train_file: dict[str, Any]
+) -> None:
     ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert {"tiny-bert", "tiny-gpt2", "sentence-transformers/all-MiniLM-L6-v2"} <= set(ids)
     job = create(client, model="tiny-bert", training_file=train_file["id"]).json()
     with session_scope(settings.database_url) as session:
-        JobRepository(session).update(job["id"], status="succeeded", fine_tuned_model=f"ft:tiny-bert:x:{job['id']}")
+        JobRepository(session).update(
+            job["id"], status="succeeded", fine_tuned_model=f"ft:tiny-bert:x:{job['id']}"
+        )
     assert client.get(f"/v1/models/ft:tiny-bert:x:{job['id']}").json()["owned_by"] == "ortune:fine-tuned"
     assert client.get("/v1/models/sentence-transformers/all-MiniLM-L6-v2").status_code == 200
     assert client.get("/v1/models/nope").status_code == 404
 
 
 def test_health_and_readiness(client: TestClient) -> None:
-    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/healthz").json()["status"] == "ok"
     ready = client.get("/readyz")
     assert ready.status_code == 200, ready.text
     assert ready.json()["checks"] == {"database": "ok", "broker": "ok", "storage": "ok"}

@@ -36,9 +36,11 @@ def ort_import_error() -> str | None:
 
 def _optim(spec: TrainingSpec, cuda: bool) -> tuple[str, str | None]:
     if spec.optim == "adamw_ort_fused" and not cuda:
-        return ("adamw_torch_fused",
-                "adamw_ort_fused is ONNX Runtime's CUDA-only FusedAdam; on CPU it is replaced by "
-                "torch's fused AdamW (adamw_torch_fused)")
+        return (
+            "adamw_torch_fused",
+            "adamw_ort_fused is ONNX Runtime's CUDA-only FusedAdam; on CPU it is replaced by "
+            "torch's fused AdamW (adamw_torch_fused)",
+        )
     if spec.optim == "adamw_ort_fused":
         return "adamw_ort_fused", None
     return spec.optim, None

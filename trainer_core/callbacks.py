@@ -9,8 +9,12 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from trainer_core.events import EventStream
 
-METRIC_NAMES = {"loss": "train_loss", "learning_rate": "learning_rate", "grad_norm": "grad_norm",
-                "epoch": "epoch"}
+METRIC_NAMES = {
+    "loss": "train_loss",
+    "learning_rate": "learning_rate",
+    "grad_norm": "grad_norm",
+    "epoch": "epoch",
+}
 
 
 class EventCallback(TrainerCallback):
@@ -20,14 +24,21 @@ class EventCallback(TrainerCallback):
         self._t0 = 0.0
         self._step0 = 0
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kw: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
         self._t0, self._step0 = time.perf_counter(), state.global_step
         self.events.emit("progress", step=state.global_step, total_steps=state.max_steps)
         self.events.message(f"training started: {state.max_steps} steps, {args.num_train_epochs:g} epoch(s)")
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: dict[str, float] | None = None, **kw: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kw: Any,
+    ) -> None:
         if not logs:
             return
         values: dict[str, float] = {}
@@ -46,7 +57,13 @@ class EventCallback(TrainerCallback):
         if set(values) - {"epoch"}:
             self.events.emit("metrics", step=state.global_step, total_steps=state.max_steps, **values)
 
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
         path = f"{args.output_dir}/checkpoint-{state.global_step}"
-        self.events.emit("checkpoint", step=state.global_step, path=path,
-                         metrics={"step": state.global_step, **(state.log_history[-1] if state.log_history else {})})
+        self.events.emit(
+            "checkpoint",
+            step=state.global_step,
+            path=path,
+            metrics={"step": state.global_step, **(state.log_history[-1] if state.log_history else {})},
+        )

@@ -48,10 +48,12 @@ def encode(rows: Sequence[dict[str, Any]], tokenizer: Any, spec: TrainingSpec) -
     if spec.task == "sequence-classification":
         index = {str(label): i for i, label in enumerate(spec.labels)}
         enc = tokenizer([r["text"] for r in rows], truncation=True, max_length=max_len)
-        return Examples([
-            {"input_ids": ids, "attention_mask": mask, "labels": index[str(r["label"])]}
-            for ids, mask, r in zip(enc["input_ids"], enc["attention_mask"], rows, strict=True)
-        ])
+        return Examples(
+            [
+                {"input_ids": ids, "attention_mask": mask, "labels": index[str(r["label"])]}
+                for ids, mask, r in zip(enc["input_ids"], enc["attention_mask"], rows, strict=True)
+            ]
+        )
     items = []
     eos = tokenizer.eos_token_id
     for r in rows:

@@ -31,9 +31,13 @@ class _Logits(torch.nn.Module):
         self.model = model
         self.names = list(names)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
         if token_type_ids is not None:
             kwargs["token_type_ids"] = token_type_ids
         if not self.model.config.is_encoder_decoder and hasattr(self.model.config, "use_cache"):
@@ -54,20 +58,31 @@ def save_pytorch(model: Any, tokenizer: Any, directory: Path, manifest: dict[str
     return manifest
 
 
-def _inputs(tokenizer: Any, texts: Sequence[str], names: Sequence[str], max_len: int) -> dict[str, torch.Tensor]:
+def _inputs(
+    tokenizer: Any, texts: Sequence[str], names: Sequence[str], max_len: int
+) -> dict[str, torch.Tensor]:
     enc = tokenizer(list(texts), padding=True, truncation=True, max_length=max_len, return_tensors="pt")
     return {n: enc[n] for n in names}
 
 
-def export_onnx(model: Any, tokenizer: Any, directory: Path, sample_texts: Sequence[str],
-                manifest: dict[str, Any], *, max_len: int = 128) -> dict[str, Any]:
+def export_onnx(
+    model: Any,
+    tokenizer: Any,
+    directory: Path,
+    sample_texts: Sequence[str],
+    manifest: dict[str, Any],
+    *,
+    max_len: int = 128,
+) -> dict[str, Any]:
     directory.mkdir(parents=True, exist_ok=True)
     model = model.float().eval().cpu()
     names = [n for n in ("input_ids", "attention_mask", "token_type_ids") if n in tokenizer.model_input_names]
     texts = [t for t in sample_texts if t.strip()] or ["hello world", "a second sample"]
     # Two samples of different lengths, so neither batch nor sequence size is 1 (export would fix it).
     export_texts = (texts * 2)[:2]
-    check_texts = (texts * 4)[: min(len(texts) * 4, 7)] if len(texts) > 2 else [*texts, texts[0] + " " + texts[0]]
+    check_texts = (
+        (texts * 4)[: min(len(texts) * 4, 7)] if len(texts) > 2 else [*texts, texts[0] + " " + texts[0]]
+    )
     sample = _inputs(tokenizer, export_texts, names, max_len)
     if sample["input_ids"].shape[1] < 2:
         sample = _inputs(tokenizer, [t + " x" for t in export_texts], names, max_len)
@@ -76,8 +91,15 @@ def export_onnx(model: Any, tokenizer: Any, directory: Path, sample_texts: Seque
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
         program = torch.onnx.export(
-            wrapper, (), kwargs=sample, dynamo=True, input_names=names, output_names=["logits"],
-            dynamic_shapes={n: {0: batch, 1: seq} for n in names}, opset_version=18, verbose=False,
+            wrapper,
+            (),
+            kwargs=sample,
+            dynamo=True,
+            input_names=names,
+            output_names=["logits"],
+            dynamic_shapes={n: {0: batch, 1: seq} for n in names},
+            opset_version=18,
+            verbose=False,
         )
         assert program is not None
         program.save(str(directory / "model.onnx"))
@@ -104,8 +126,14 @@ def export_onnx(model: Any, tokenizer: Any, directory: Path, sample_texts: Seque
         diff = float(np.abs(got - want).max())
     if not np.isfinite(diff) or diff > PARITY_TOLERANCE:
         raise ExportError(f"ONNX logits differ from PyTorch by {diff:.3g} (tolerance {PARITY_TOLERANCE})")
-    manifest = {**manifest, "format": "onnx", "onnx_opset": 18, "inputs": names, "outputs": ["logits"],
-                "parity": {"max_abs_diff": diff, "tolerance": PARITY_TOLERANCE, "samples": len(check_texts)},
-                "files": sorted(p.name for p in directory.iterdir())}
+    manifest = {
+        **manifest,
+        "format": "onnx",
+        "onnx_opset": 18,
+        "inputs": names,
+        "outputs": ["logits"],
+        "parity": {"max_abs_diff": diff, "tolerance": PARITY_TOLERANCE, "samples": len(check_texts)},
+        "files": sorted(p.name for p in directory.iterdir()),
+    }
     write_manifest(directory, manifest)
     return manifest

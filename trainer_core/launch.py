@@ -28,8 +28,14 @@ def run(spec: TrainingSpec, events: EventStream) -> None:
     transformers.utils.logging.set_verbosity_error()
     cuda = torch.cuda.is_available()
     choice = backends.choose(spec, cuda=cuda)
-    events.emit("backend", requested=choice.requested, used=choice.used, reason=choice.reason,
-                optim=choice.optim, optim_note=choice.optim_note)
+    events.emit(
+        "backend",
+        requested=choice.requested,
+        used=choice.used,
+        reason=choice.reason,
+        optim=choice.optim,
+        optim_note=choice.optim_note,
+    )
     if choice.reason:
         events.message(choice.reason, level="warn")
     if choice.optim_note:
@@ -37,17 +43,26 @@ def run(spec: TrainingSpec, events: EventStream) -> None:
 
     transformers.set_seed(spec.seed)
     train_rows = rows.load_rows(Path(spec.train_file), spec.train_format)
-    valid_rows = rows.load_rows(Path(spec.validation_file), spec.validation_format) if spec.validation_file else []
-    info = registry.ModelInfo(spec.model, "built" if spec.model_path is None else "local",
-                              Path(spec.model_path) if spec.model_path else None, registry.ALL_TASKS)
+    valid_rows = (
+        rows.load_rows(Path(spec.validation_file), spec.validation_format) if spec.validation_file else []
+    )
+    info = registry.ModelInfo(
+        spec.model,
+        "built" if spec.model_path is None else "local",
+        Path(spec.model_path) if spec.model_path else None,
+        registry.ALL_TASKS,
+    )
     t0 = time.perf_counter()
     loaded = modeling.load(info, spec, data.texts_of(train_rows))
-    events.message(f"loaded {spec.model} ({sum(p.numel() for p in loaded.model.parameters()):,} parameters) "
-                   f"in {time.perf_counter() - t0:.1f}s")
+    events.message(
+        f"loaded {spec.model} ({sum(p.numel() for p in loaded.model.parameters()):,} parameters) "
+        f"in {time.perf_counter() - t0:.1f}s"
+    )
     train_set = data.encode(train_rows, loaded.tokenizer, spec)
     valid_set = data.encode(valid_rows, loaded.tokenizer, spec) if valid_rows else None
-    hf_trainer = trainer.build(spec, choice, loaded.model, loaded.tokenizer, train_set, valid_set, events,
-                               cuda=cuda)
+    hf_trainer = trainer.build(
+        spec, choice, loaded.model, loaded.tokenizer, train_set, valid_set, events, cuda=cuda
+    )
 
     # Train, with an evaluation before and after so the job shows what training bought.
     if valid_set is not None and spec.resume_from is None:
@@ -61,17 +76,30 @@ def run(spec: TrainingSpec, events: EventStream) -> None:
     # Save: a Hugging Face directory and an ONNX export checked against it.
     out = Path(spec.output_dir)
     model = hf_trainer.model
-    manifest = {"job_id": spec.job_id, "base_model": spec.model, "task": spec.task, "labels": spec.labels,
-                "backend_used": choice.used, "steps": hf_trainer.state.global_step, "metrics": final}
+    manifest = {
+        "job_id": spec.job_id,
+        "base_model": spec.model,
+        "task": spec.task,
+        "labels": spec.labels,
+        "backend_used": choice.used,
+        "steps": hf_trainer.state.global_step,
+        "metrics": final,
+    }
     pt = export.save_pytorch(model, loaded.tokenizer, out / "pytorch", manifest)
     events.emit("artifact", format="pytorch", path=str(out / "pytorch"), manifest=pt)
     samples = data.texts_of(valid_rows or train_rows)[:8]
-    onnx = export.export_onnx(model, loaded.tokenizer, out / "onnx", samples, manifest,
-                              max_len=spec.hyperparameters.max_seq_length)
+    onnx = export.export_onnx(
+        model, loaded.tokenizer, out / "onnx", samples, manifest, max_len=spec.hyperparameters.max_seq_length
+    )
     events.emit("artifact", format="onnx", path=str(out / "onnx"), manifest=onnx)
     tokens = sum(len(x["input_ids"]) for x in train_set.items) * spec.hyperparameters.n_epochs
-    events.emit("result", metrics=final, steps=hf_trainer.state.global_step, trained_tokens=tokens,
-                onnx_max_abs_diff=onnx["parity"]["max_abs_diff"])
+    events.emit(
+        "result",
+        metrics=final,
+        steps=hf_trainer.state.global_step,
+        trained_tokens=tokens,
+        onnx_max_abs_diff=onnx["parity"]["max_abs_diff"],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,23 +32,37 @@ def _train_tokenizer(kind: str, texts: Sequence[str]) -> Any:
         tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=2000, special_tokens=specials))
         cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
         tok.post_processor = processors.TemplateProcessing(
-            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+            single="[CLS] $A [SEP]",
+            pair="[CLS] $A [SEP] $B [SEP]",
+            special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
         )
         tok.decoder = decoders.WordPiece()
         return PreTrainedTokenizerFast(
-            tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
-            mask_token="[MASK]", model_input_names=["input_ids", "attention_mask"],
+            tokenizer_object=tok,
+            unk_token="[UNK]",
+            pad_token="[PAD]",
+            cls_token="[CLS]",
+            sep_token="[SEP]",
+            mask_token="[MASK]",
+            model_input_names=["input_ids", "attention_mask"],
         )
     eos = "<|endoftext|>"
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(
-        texts, trainers.BpeTrainer(vocab_size=2000, special_tokens=[eos],
-                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=2000, special_tokens=[eos], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
     )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eos, eos_token=eos, pad_token=eos,
-                                   model_input_names=["input_ids", "attention_mask"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=eos,
+        eos_token=eos,
+        pad_token=eos,
+        model_input_names=["input_ids", "attention_mask"],
+    )
 
 
 def _build(info: ModelInfo, spec: TrainingSpec, texts: Sequence[str], label_kw: dict[str, Any]) -> Loaded:
@@ -63,38 +77,70 @@ def _build(info: ModelInfo, spec: TrainingSpec, texts: Sequence[str], label_kw: 
     tokenizer = _train_tokenizer(info.id, texts)
     positions = max(256, spec.hyperparameters.max_seq_length)
     if info.id == "tiny-bert":
-        config = BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                            intermediate_size=128, max_position_embeddings=positions,
-                            pad_token_id=tokenizer.pad_token_id, **label_kw)
-        return Loaded(BertForSequenceClassification(config), tokenizer)
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=positions, n_embd=64, n_layer=2, n_head=2,
-                        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id, **label_kw)
+        bert = BertConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=positions,
+            pad_token_id=tokenizer.pad_token_id,
+            **label_kw,
+        )
+        return Loaded(BertForSequenceClassification(bert), tokenizer)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=positions,
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **label_kw,
+    )
     if spec.task == "causal-lm":
         return Loaded(GPT2LMHeadModel(config), tokenizer)
     return Loaded(GPT2ForSequenceClassification(config), tokenizer)
 
 
-def load(info: ModelInfo, spec: TrainingSpec, texts: Sequence[str], *, attn_implementation: str = "sdpa") -> Loaded:
+def load(
+    info: ModelInfo, spec: TrainingSpec, texts: Sequence[str], *, attn_implementation: str = "sdpa"
+) -> Loaded:
     """The model in train mode and its tokenizer. Never trust_remote_code; weights from safetensors only."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     label_kw: dict[str, Any] = {}
     if spec.task == "sequence-classification":
         names = [str(label) for label in spec.labels]
-        label_kw = {"num_labels": len(names), "id2label": dict(enumerate(names)),
-                    "label2id": {n: i for i, n in enumerate(names)}}
+        label_kw = {
+            "num_labels": len(names),
+            "id2label": dict(enumerate(names)),
+            "label2id": {n: i for i, n in enumerate(names)},
+        }
     if info.source == "built":
         loaded = _build(info, spec, texts, label_kw)
         loaded.model.config._attn_implementation = attn_implementation
     else:
         assert info.path is not None
         if not (info.path / "model.safetensors").is_file() and not any(info.path.glob("*.safetensors")):
-            raise ModelLoadError(f"{info.id}: no safetensors weights in {info.path} (pickled weights are refused)")
-        auto = AutoModelForSequenceClassification if spec.task == "sequence-classification" else AutoModelForCausalLM
+            raise ModelLoadError(
+                f"{info.id}: no safetensors weights in {info.path} (pickled weights are refused)"
+            )
+        auto = (
+            AutoModelForSequenceClassification
+            if spec.task == "sequence-classification"
+            else AutoModelForCausalLM
+        )
         tokenizer = AutoTokenizer.from_pretrained(info.path, local_files_only=True, trust_remote_code=False)
-        model = auto.from_pretrained(info.path, local_files_only=True, trust_remote_code=False,
-                                     use_safetensors=True, attn_implementation=attn_implementation, **label_kw)
+        model = auto.from_pretrained(
+            info.path,
+            local_files_only=True,
+            trust_remote_code=False,
+            use_safetensors=True,
+            attn_implementation=attn_implementation,
+            **label_kw,
+        )
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
             model.config.pad_token_id = tokenizer.pad_token_id

@@ -57,7 +57,10 @@ def row_kind(row: dict[str, Any]) -> str:
     if "prompt" in keys or "completion" in keys:
         missing = "completion" if "prompt" in keys else "prompt"
         raise RowError(f"missing required field '{missing}'")
-    raise RowError(f"no supported fields: expected one of {', '.join('{' + ', '.join(sorted(v)) + '}' for v in KINDS.values())}")
+    raise RowError(
+        "no supported fields: expected one of "
+        + ", ".join("{" + ", ".join(sorted(v)) + "}" for v in KINDS.values())
+    )
 
 
 def _check_values(kind: str, row: dict[str, Any]) -> None:
@@ -137,8 +140,9 @@ class Report:
             self.errors.append(message)
 
 
-def check_rows(rows: Iterable[tuple[int, dict[str, Any] | RowError]], *, max_rows: int,
-               task: str | None = None) -> Report:
+def check_rows(
+    rows: Iterable[tuple[int, dict[str, Any] | RowError]], *, max_rows: int, task: str | None = None
+) -> Report:
     """Check every row: one kind per file, the task's required columns, the row limit."""
     report = Report()
     allowed = TASK_KINDS.get(task) if task else None
@@ -154,8 +158,10 @@ def check_rows(rows: Iterable[tuple[int, dict[str, Any] | RowError]], *, max_row
         if report.kind is None:
             report.kind = kind
             if allowed and kind not in allowed:
-                report.fail(f"line {lineno}: task {task} needs rows with {required_columns(task or '')}, "
-                            f"got a {kind} row")
+                report.fail(
+                    f"line {lineno}: task {task} needs rows with {required_columns(task or '')}, "
+                    f"got a {kind} row"
+                )
         elif kind != report.kind:
             report.fail(f"line {lineno}: a {kind} row in a file of {report.kind} rows")
             continue
@@ -196,5 +202,18 @@ def sniff_format(sample: bytes) -> str:
     return "jsonl" if text.startswith("{") else "csv"
 
 
-__all__ = ["FORMATS", "KINDS", "TASK_KINDS", "Report", "RowError", "check_file", "check_rows", "file_format",
-           "iter_rows", "load_rows", "required_columns", "row_kind", "sniff_format"]
+__all__ = [
+    "FORMATS",
+    "KINDS",
+    "TASK_KINDS",
+    "Report",
+    "RowError",
+    "check_file",
+    "check_rows",
+    "file_format",
+    "iter_rows",
+    "load_rows",
+    "required_columns",
+    "row_kind",
+    "sniff_format",
+]

@@ -43,9 +43,14 @@ class Hyperparameters(Strict):
         base_lr = 5e-5 if self.learning_rate is None else self.learning_rate
         mult = 1.0 if self.learning_rate_multiplier == "auto" else self.learning_rate_multiplier
         return ResolvedHyperparameters(
-            n_epochs=epochs, batch_size=batch, learning_rate=base_lr * mult, max_steps=self.max_steps,
-            max_seq_length=self.max_seq_length, warmup_ratio=self.warmup_ratio,
-            weight_decay=self.weight_decay, eval_every_steps=self.eval_every_steps,
+            n_epochs=epochs,
+            batch_size=batch,
+            learning_rate=base_lr * mult,
+            max_steps=self.max_steps,
+            max_seq_length=self.max_seq_length,
+            warmup_ratio=self.warmup_ratio,
+            weight_decay=self.weight_decay,
+            eval_every_steps=self.eval_every_steps,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
         )
 
@@ -97,7 +102,9 @@ class TrainingSpec(Strict):
     @model_validator(mode="after")
     def _labels_for_classification(self) -> TrainingSpec:
         if self.task == "sequence-classification" and len(self.labels) < 2:
-            raise ValueError("sequence-classification needs at least two distinct labels in the training file")
+            raise ValueError(
+                "sequence-classification needs at least two distinct labels in the training file"
+            )
         return self
 
     @classmethod

@@ -26,7 +26,9 @@ def accuracy(pred: Any) -> dict[str, float]:
     return {"accuracy": float((np.argmax(logits, axis=-1) == labels).mean())}
 
 
-def training_arguments(spec: TrainingSpec, choice: BackendChoice, *, cuda: bool, has_eval: bool) -> TrainingArguments:
+def training_arguments(
+    spec: TrainingSpec, choice: BackendChoice, *, cuda: bool, has_eval: bool
+) -> TrainingArguments:
     hp = spec.hyperparameters
     if spec.precision == "fp16" and not cuda:
         raise SpecError("precision fp16 needs a CUDA GPU; this worker has none (use fp32 or bf16)")
@@ -61,8 +63,17 @@ def training_arguments(spec: TrainingSpec, choice: BackendChoice, *, cuda: bool,
     )
 
 
-def build(spec: TrainingSpec, choice: BackendChoice, model: Any, tokenizer: Any, train: Examples,
-          valid: Examples | None, events: EventStream, *, cuda: bool) -> Trainer:
+def build(
+    spec: TrainingSpec,
+    choice: BackendChoice,
+    model: Any,
+    tokenizer: Any,
+    train: Examples,
+    valid: Examples | None,
+    events: EventStream,
+    *,
+    cuda: bool,
+) -> Trainer:
     args = training_arguments(spec, choice, cuda=cuda, has_eval=valid is not None)
     samples_per_step = spec.hyperparameters.batch_size * spec.hyperparameters.gradient_accumulation_steps
     return Trainer(

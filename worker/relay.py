@@ -61,32 +61,61 @@ class Relay:
         self.batch = Batch()
 
     def message(self, message: str, *, level: str = "info", data: dict[str, Any] | None = None) -> None:
-        self.batch.events.append({"job_id": self.job_id, "message": message, "level": level, "type": "message",
-                                  "data": data, "created_at": utcnow()})
+        self.batch.events.append(
+            {
+                "job_id": self.job_id,
+                "message": message,
+                "level": level,
+                "type": "message",
+                "data": data,
+                "created_at": utcnow(),
+            }
+        )
 
     def add(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
-        at = datetime.fromtimestamp(event["time"], UTC) if isinstance(event.get("time"), int | float) else utcnow()
+        at = (
+            datetime.fromtimestamp(event["time"], UTC)
+            if isinstance(event.get("time"), int | float)
+            else utcnow()
+        )
         if kind == "metrics":
             step = int(event.get("step") or 0)
             values = {k: float(event[k]) for k in SERIES if isinstance(event.get(k), int | float)}
             self.batch.points += [(k, step, v) for k, v in values.items()]
-            self.batch.events.append({"job_id": self.job_id, "message": _describe(event), "level": "info",
-                                      "type": "metrics", "data": {"step": step, **values}, "created_at": at})
+            self.batch.events.append(
+                {
+                    "job_id": self.job_id,
+                    "message": _describe(event),
+                    "level": "info",
+                    "type": "metrics",
+                    "data": {"step": step, **values},
+                    "created_at": at,
+                }
+            )
             self.batch.job["step"] = max(step, self.batch.job.get("step", 0))
             if event.get("total_steps"):
                 self.batch.job["total_steps"] = int(event["total_steps"])
         elif kind == "progress":
             self.batch.job |= {"step": int(event.get("step") or 0), "total_steps": event.get("total_steps")}
         elif kind == "message":
-            self.batch.events.append({"job_id": self.job_id, "message": str(event.get("message", "")),
-                                      "level": str(event.get("level", "info")), "type": "message",
-                                      "data": event.get("data"), "created_at": at})
+            self.batch.events.append(
+                {
+                    "job_id": self.job_id,
+                    "message": str(event.get("message", "")),
+                    "level": str(event.get("level", "info")),
+                    "type": "message",
+                    "data": event.get("data"),
+                    "created_at": at,
+                }
+            )
         elif kind == "backend":
             self.batch.job |= {"backend_used": event.get("used"), "backend_reason": event.get("reason")}
-            self.message(f"Backend: {event.get('used')} (requested {event.get('requested')}), "
-                         f"optimizer {event.get('optim')}", data={k: event.get(k) for k in
-                                                                  ("requested", "used", "reason", "optim")})
+            self.message(
+                f"Backend: {event.get('used')} (requested {event.get('requested')}), "
+                f"optimizer {event.get('optim')}",
+                data={k: event.get(k) for k in ("requested", "used", "reason", "optim")},
+            )
 
     def flush(self) -> JobStatus | None:
         """Write what is pending and beat the heartbeat; returns the job's current status."""

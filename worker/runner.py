@@ -43,8 +43,12 @@ class Outcome:
 
 
 def _store(settings: Settings) -> ObjectStore:
-    return open_store(settings.storage_url, access_key=settings.s3_access_key, secret_key=settings.s3_secret_key,
-                      region=settings.s3_region)
+    return open_store(
+        settings.storage_url,
+        access_key=settings.s3_access_key,
+        secret_key=settings.s3_secret_key,
+        region=settings.s3_region,
+    )
 
 
 def _pack(directory: Path, archive: Path) -> tuple[int, str]:
@@ -60,8 +64,14 @@ def _claim(settings: Settings, job_id: str) -> tuple[Job, File, File | None] | N
         if job is None or job.status != JobStatus.queued:
             return None
         attempt = job.attempt + 1
-        if not jobs.transition(job_id, JobStatus.running, only_from=[JobStatus.queued], attempt=attempt,
-                               started_at=utcnow(), heartbeat_at=utcnow()):
+        if not jobs.transition(
+            job_id,
+            JobStatus.running,
+            only_from=[JobStatus.queued],
+            attempt=attempt,
+            started_at=utcnow(),
+            heartbeat_at=utcnow(),
+        ):
             return None
         EventRepository(session).add(job_id, f"Attempt {attempt} started on worker {os.uname().nodename}")
         session.refresh(job)
@@ -82,13 +92,23 @@ def _stage(settings: Settings, store: ObjectStore, job: Job, train: File, valid:
     model = registry.resolve(job.model, settings.models_dir)
     s = job.spec
     spec = TrainingSpec(
-        job_id=job.id, task=s["task"], model=job.model, model_path=str(model.path) if model.path else None,
-        train_file=str(data / f"train.{fmt}"), train_format=fmt,  # type: ignore[arg-type]
-        validation_file=str(data / f"valid.{vfmt}") if valid else None, validation_format=vfmt,  # type: ignore[arg-type]
-        labels=s["labels"], output_dir=str(workdir / "out"),
+        job_id=job.id,
+        task=s["task"],
+        model=job.model,
+        model_path=str(model.path) if model.path else None,
+        train_file=str(data / f"train.{fmt}"),
+        train_format=fmt,
+        validation_file=str(data / f"valid.{vfmt}") if valid else None,
+        validation_format=vfmt,
+        labels=s["labels"],
+        output_dir=str(workdir / "out"),
         hyperparameters=ResolvedHyperparameters(**s["resolved_hyperparameters"]),
-        backend=s["backend"], optim=s["optim"], precision=s["precision"], seed=job.seed,
-        checkpoint_every_steps=s.get("checkpoint_every_steps"), distributed=s["distributed"],
+        backend=s["backend"],
+        optim=s["optim"],
+        precision=s["precision"],
+        seed=job.seed,
+        checkpoint_every_steps=s.get("checkpoint_every_steps"),
+        distributed=s["distributed"],
     )
     spec.dump(workdir / "spec.json")
     store.put_path(f"jobs/{job.id}/spec.json", workdir / "spec.json")
@@ -119,11 +139,20 @@ class Execution:
 
     def run(self) -> Outcome:
         log_path = self.workdir / "trainer.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         with log_path.open("w") as log_file:
             proc = subprocess.Popen(
                 [self.settings.trainer_python, "-m", "trainer_core.launch", str(self.workdir / "spec.json")],
-                stdout=subprocess.PIPE, stderr=log_file, text=True, env=env, start_new_session=True,
+                stdout=subprocess.PIPE,
+                stderr=log_file,
+                text=True,
+                env=env,
+                start_new_session=True,
                 cwd=self.workdir,
             )
             assert proc.stdout is not None
@@ -139,8 +168,10 @@ class Execution:
             return Outcome(JobStatus.succeeded)
         if self.error is None:
             tail = "".join(deque(log_path.open(errors="replace"), maxlen=6)).strip()
-            self.error = {"code": "trainer_crashed",
-                          "message": f"the training process exited with code {code}; last log lines: {tail[-800:]}"}
+            self.error = {
+                "code": "trainer_crashed",
+                "message": f"the training process exited with code {code}; last log lines: {tail[-800:]}",
+            }
         return Outcome(JobStatus.failed, self.error)
 
     def _pump(self, proc: subprocess.Popen[str], events: queue.Queue[dict[str, Any] | None]) -> bool:
@@ -171,11 +202,18 @@ class Execution:
             self._upload_artifact(event)
         elif kind == "result":
             self.result = event
-            self.relay.batch.job |= {"result": {"metrics": event.get("metrics"),
-                                                "onnx_max_abs_diff": event.get("onnx_max_abs_diff")},
-                                     "trained_tokens": event.get("trained_tokens")}
+            self.relay.batch.job |= {
+                "result": {
+                    "metrics": event.get("metrics"),
+                    "onnx_max_abs_diff": event.get("onnx_max_abs_diff"),
+                },
+                "trained_tokens": event.get("trained_tokens"),
+            }
         elif kind == "error":
-            self.error = {"code": str(event.get("code", "training_error")), "message": str(event.get("message"))}
+            self.error = {
+                "code": str(event.get("code", "training_error")),
+                "message": str(event.get("message")),
+            }
             self.relay.message(f"Training failed: {self.error['message']}", level="error")
         else:
             self.relay.add(event)
@@ -192,9 +230,17 @@ class Execution:
         archive.unlink()
         metrics = {k: v for k, v in (event.get("metrics") or {}).items() if isinstance(v, int | float)}
         with session_scope(self.settings.database_url) as session:
-            CheckpointRepository(session).add(Checkpoint(id=new_id("ftckpt"), job_id=self.job.id, step=step,
-                                                         object_key=key, bytes=size, sha256=digest,
-                                                         metrics=metrics))
+            CheckpointRepository(session).add(
+                Checkpoint(
+                    id=new_id("ftckpt"),
+                    job_id=self.job.id,
+                    step=step,
+                    object_key=key,
+                    bytes=size,
+                    sha256=digest,
+                    metrics=metrics,
+                )
+            )
         self.relay.message(f"Checkpoint at step {step} stored ({size:,} bytes)", data={"step": step})
 
     def _upload_artifact(self, event: dict[str, Any]) -> None:
@@ -205,8 +251,16 @@ class Execution:
         self.store.put_path(key, archive)
         archive.unlink()
         with session_scope(self.settings.database_url) as session:
-            ArtifactRepository(session).put(Artifact(job_id=self.job.id, format=fmt, object_key=key, bytes=size,
-                                                     sha256=digest, manifest=event.get("manifest") or {}))
+            ArtifactRepository(session).put(
+                Artifact(
+                    job_id=self.job.id,
+                    format=fmt,
+                    object_key=key,
+                    bytes=size,
+                    sha256=digest,
+                    manifest=event.get("manifest") or {},
+                )
+            )
         self.artifacts.add(fmt)
         self.relay.message(f"Stored the {fmt} model ({size:,} bytes, sha256 {digest[:12]}…)")
 
@@ -216,12 +270,22 @@ def _finish(settings: Settings, job: Job, outcome: Outcome) -> None:
         jobs, events = JobRepository(session), EventRepository(session)
         if outcome.status == JobStatus.succeeded:
             name = f"ft:{job.model}:{job.suffix or 'ortune'}:{job.id}"
-            if jobs.transition(job.id, JobStatus.succeeded, only_from=[JobStatus.running], finished_at=utcnow(),
-                               fine_tuned_model=name):
+            if jobs.transition(
+                job.id,
+                JobStatus.succeeded,
+                only_from=[JobStatus.running],
+                finished_at=utcnow(),
+                fine_tuned_model=name,
+            ):
                 events.add(job.id, f"The job has successfully completed: {name}")
         elif outcome.status == JobStatus.failed:
-            if jobs.transition(job.id, JobStatus.failed, only_from=[JobStatus.running], finished_at=utcnow(),
-                               error=outcome.error):
+            if jobs.transition(
+                job.id,
+                JobStatus.failed,
+                only_from=[JobStatus.running],
+                finished_at=utcnow(),
+                error=outcome.error,
+            ):
                 events.add(job.id, f"The job failed: {(outcome.error or {}).get('message')}", level="error")
         else:
             events.add(job.id, "Training stopped after the job was cancelled")
@@ -240,7 +304,9 @@ def run(settings: Settings, job_id: str) -> str:
         outcome = Execution(settings, store, job, spec).run()
     except Exception as exc:
         log.exception("job %s failed in the worker", job_id)
-        outcome = Outcome(JobStatus.failed, {"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"})
+        outcome = Outcome(
+            JobStatus.failed, {"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"}
+        )
     _finish(settings, job, outcome)
     return outcome.status.value
 

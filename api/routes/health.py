@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -15,9 +16,9 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz")
-def healthz() -> dict[str, str]:
-    """The process is up."""
-    return {"status": "ok"}
+def healthz() -> dict[str, str | int]:
+    """The process is up (its pid lets a launcher tell its own server from another on the port)."""
+    return {"status": "ok", "pid": os.getpid()}
 
 
 def _check_db(url: str) -> None:
@@ -41,5 +42,8 @@ async def readyz(request: Request, settings: SettingsDep) -> JSONResponse:
         except Exception as exc:
             checks[name] = f"error: {type(exc).__name__}: {exc}"[:300]
     ok = all(v == "ok" for v in checks.values())
-    return JSONResponse({"status": "ok" if ok else "unavailable", "checks": checks},
-                        status_code=200 if ok else 503, headers=None if ok else {"Retry-After": "5"})
+    return JSONResponse(
+        {"status": "ok" if ok else "unavailable", "checks": checks},
+        status_code=200 if ok else 503,
+        headers=None if ok else {"Retry-After": "5"},
+    )

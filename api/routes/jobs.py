@@ -41,8 +41,9 @@ def list_jobs(session: SessionDep, after: str | None = None, limit: Limit = 20) 
     """List jobs, newest first, in cursor pages."""
     rows, more = JobRepository(session).list(after=after, limit=limit)
     data = [FineTuningJob.of(j) for j in rows]
-    return Page(data=data, has_more=more, first_id=data[0].id if data else None,
-                last_id=data[-1].id if data else None)
+    return Page(
+        data=data, has_more=more, first_id=data[0].id if data else None, last_id=data[-1].id if data else None
+    )
 
 
 @router.get("/{job_id}", response_model=FineTuningJob)
@@ -58,8 +59,9 @@ def cancel_job(job_id: str, session: SessionDep) -> FineTuningJob:
 
 
 @router.get("/{job_id}/events", response_model=Page[JobEventObject])
-def list_events(job_id: str, session: SessionDep, after: str | None = None,
-                limit: Limit = 20) -> Page[JobEventObject]:
+def list_events(
+    job_id: str, session: SessionDep, after: str | None = None, limit: Limit = 20
+) -> Page[JobEventObject]:
     """Events newest first; `after` is the id of the last event seen (ftevent-N)."""
     jobs.get(session, job_id)
     cursor = None
@@ -70,24 +72,31 @@ def list_events(job_id: str, session: SessionDep, after: str | None = None,
         cursor = int(raw)
     rows, more = EventRepository(session).list(job_id, after=cursor, limit=limit)
     data = [JobEventObject.of(e) for e in rows]
-    return Page(data=data, has_more=more, first_id=data[0].id if data else None,
-                last_id=data[-1].id if data else None)
+    return Page(
+        data=data, has_more=more, first_id=data[0].id if data else None, last_id=data[-1].id if data else None
+    )
 
 
 @router.get("/{job_id}/checkpoints", response_model=Page[CheckpointObject])
-def list_checkpoints(job_id: str, session: SessionDep, after: str | None = None,
-                     limit: Limit = 10) -> Page[CheckpointObject]:
+def list_checkpoints(
+    job_id: str, session: SessionDep, after: str | None = None, limit: Limit = 10
+) -> Page[CheckpointObject]:
     """Checkpoints stored in object storage, latest step first."""
     job = jobs.get(session, job_id)
     rows, more = CheckpointRepository(session).list(job_id, after=after, limit=limit)
     data = [CheckpointObject.of(c, job.model) for c in rows]
-    return Page(data=data, has_more=more, first_id=data[0].id if data else None,
-                last_id=data[-1].id if data else None)
+    return Page(
+        data=data, has_more=more, first_id=data[0].id if data else None, last_id=data[-1].id if data else None
+    )
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsObject)
-def metrics(job_id: str, session: SessionDep, name: Annotated[list[str] | None, Query()] = None,
-            max_points: Annotated[int, Query(ge=2, le=20000)] = 1000) -> MetricsObject:
+def metrics(
+    job_id: str,
+    session: SessionDep,
+    name: Annotated[list[str] | None, Query()] = None,
+    max_points: Annotated[int, Query(ge=2, le=20000)] = 1000,
+) -> MetricsObject:
     """Metric series for charts, downsampled on the server to at most `max_points` per series."""
     jobs.get(session, job_id)
     series = MetricRepository(session).series(job_id, name)
@@ -106,10 +115,14 @@ def list_artifacts(job_id: str, session: SessionDep) -> list[ArtifactObject]:
     return [ArtifactObject.of(a) for a in ArtifactRepository(session).for_job(job_id)]
 
 
-@router.get("/{job_id}/artifacts/{fmt}", response_class=StreamingResponse,
-            responses={200: {"content": {"application/x-tar": {}}}, 206: {"description": "Partial content"}})
-def download_artifact(job_id: str, fmt: Literal["pytorch", "onnx"], request: Request, session: SessionDep,
-                      store: StoreDep) -> Response:
+@router.get(
+    "/{job_id}/artifacts/{fmt}",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/x-tar": {}}}, 206: {"description": "Partial content"}},
+)
+def download_artifact(
+    job_id: str, fmt: Literal["pytorch", "onnx"], request: Request, session: SessionDep, store: StoreDep
+) -> Response:
     """Download the model as a tar archive, with its sha256 in headers and Range support."""
     jobs.get(session, job_id)
     artifact = ArtifactRepository(session).get(job_id, fmt)

@@ -12,10 +12,14 @@ router = APIRouter(prefix="/v1/models", tags=["models"])
 
 
 def _all(session: SessionDep, settings: SettingsDep) -> list[ModelObject]:
-    base = [ModelObject(id=m.id, created=0, owned_by=f"ortune:{m.source}", tasks=list(m.tasks))
-            for m in registry.list_models(settings.models_dir)]
-    tuned = [ModelObject(id=name, created=int(at.timestamp()), owned_by="ortune:fine-tuned")
-             for name, at in JobRepository(session).fine_tuned_models()]
+    base = [
+        ModelObject(id=m.id, created=0, owned_by=f"ortune:{m.source}", tasks=list(m.tasks))
+        for m in registry.list_models(settings.models_dir)
+    ]
+    tuned = [
+        ModelObject(id=name, created=int(at.timestamp()), owned_by="ortune:fine-tuned")
+        for name, at in JobRepository(session).fine_tuned_models()
+    ]
     return base + tuned
 
 

@@ -20,8 +20,11 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
         return None
     m = _RANGE.match(header.strip())
     if not m or (not m.group(1) and not m.group(2)):
-        raise RangeNotSatisfiable(f"unsupported Range {header!r}: send one range, bytes=first-last",
-                                  param="Range", headers={"Content-Range": f"bytes */{size}"})
+        raise RangeNotSatisfiable(
+            f"unsupported Range {header!r}: send one range, bytes=first-last",
+            param="Range",
+            headers={"Content-Range": f"bytes */{size}"},
+        )
     if not m.group(1):  # suffix range: the last N bytes
         n = int(m.group(2))
         first, last = max(0, size - n), size - 1
@@ -29,8 +32,11 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
         first = int(m.group(1))
         last = min(int(m.group(2)), size - 1) if m.group(2) else size - 1
     if first >= size or first > last:
-        raise RangeNotSatisfiable(f"Range {header!r} is outside the {size}-byte artifact", param="Range",
-                                  headers={"Content-Range": f"bytes */{size}"})
+        raise RangeNotSatisfiable(
+            f"Range {header!r} is outside the {size}-byte artifact",
+            param="Range",
+            headers={"Content-Range": f"bytes */{size}"},
+        )
     return first, last
 
 
@@ -47,13 +53,18 @@ def stream(store: ObjectStore, artifact: Artifact, range_header: str | None) -> 
     span = parse_range(range_header, size)
     if span is None:
         headers["Content-Length"] = str(size)
-        return StreamingResponse(store.iter_range(artifact.object_key), media_type="application/x-tar",
-                                 headers=headers)
+        return StreamingResponse(
+            store.iter_range(artifact.object_key), media_type="application/x-tar", headers=headers
+        )
     first, last = span
     headers["Content-Length"] = str(last - first + 1)
     headers["Content-Range"] = f"bytes {first}-{last}/{size}"
-    return StreamingResponse(store.iter_range(artifact.object_key, first, last), status_code=206,
-                             media_type="application/x-tar", headers=headers)
+    return StreamingResponse(
+        store.iter_range(artifact.object_key, first, last),
+        status_code=206,
+        media_type="application/x-tar",
+        headers=headers,
+    )
 
 
 def downsample(points: list[tuple[int, float]], max_points: int) -> list[tuple[int, float]]:

@@ -27,12 +27,18 @@ def _validate_form(upload: Upload) -> tuple[str, str, str | None]:
     if purpose is None:
         raise APIError("missing required field 'purpose'", param="purpose", code="invalid_upload")
     if purpose not in PURPOSES:
-        raise APIError(f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}", param="purpose",
-                       code="invalid_purpose")
+        raise APIError(
+            f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}",
+            param="purpose",
+            code="invalid_purpose",
+        )
     fmt = rows.file_format(upload.filename)
     if fmt is None:
-        raise APIError(f"{upload.filename!r}: unsupported file type; upload .jsonl or .csv", param="file",
-                       code="invalid_file_format")
+        raise APIError(
+            f"{upload.filename!r}: unsupported file type; upload .jsonl or .csv",
+            param="file",
+            code="invalid_file_format",
+        )
     task = upload.fields.get("task") or None
     if task is not None and task not in rows.TASK_KINDS:
         raise APIError(f"task must be one of {', '.join(rows.TASK_KINDS)}", param="task", code="invalid_task")
@@ -53,9 +59,17 @@ async def create(session: Session, store: ObjectStore, settings: Settings, uploa
             upload.path.unlink(missing_ok=True)
     labels = sorted(report.labels, key=str) if report.kind == "text_label" else None
     file = File(
-        id=file_id, filename=Path(upload.filename).name[:255] or "upload", purpose=purpose, bytes=upload.size,
-        sha256=upload.sha256, object_key=key, status=FileStatus.processed if report.ok else FileStatus.error,
-        status_details=report.details(), row_kind=report.kind, row_count=report.rows, labels=labels,
+        id=file_id,
+        filename=Path(upload.filename).name[:255] or "upload",
+        purpose=purpose,
+        bytes=upload.size,
+        sha256=upload.sha256,
+        object_key=key,
+        status=FileStatus.processed if report.ok else FileStatus.error,
+        status_details=report.details(),
+        row_kind=report.kind,
+        row_count=report.rows,
+        labels=labels,
     )
     return FileRepository(session).add(file)
 
@@ -71,7 +85,10 @@ def delete(session: Session, store: ObjectStore, file_id: str) -> None:
     repo = FileRepository(session)
     file = get(session, file_id)
     if repo.in_use(file_id):
-        raise Conflict(f"file {file_id} is used by a job that has not finished; cancel it first",
-                       param="file_id", code="file_in_use")
+        raise Conflict(
+            f"file {file_id} is used by a job that has not finished; cancel it first",
+            param="file_id",
+            code="file_in_use",
+        )
     repo.mark_deleted(file)
     store.delete(file.object_key)

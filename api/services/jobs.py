@@ -25,11 +25,16 @@ def _file(session: Session, file_id: str, param: str, task: str | None) -> File:
     if file is None:
         raise NotFound(f"no file with id {file_id!r}", param=param, code="file_not_found")
     if file.status != FileStatus.processed:
-        raise APIError(f"file {file_id} failed its checks: {file.status_details}", param=param,
-                       code="invalid_file")
+        raise APIError(
+            f"file {file_id} failed its checks: {file.status_details}", param=param, code="invalid_file"
+        )
     if task is not None and file.row_kind not in rows.TASK_KINDS[task]:
-        raise APIError(f"task {task} needs rows with {rows.required_columns(task)}; file {file_id} holds "
-                       f"{file.row_kind} rows", param=param, code="invalid_file")
+        raise APIError(
+            f"task {task} needs rows with {rows.required_columns(task)}; file {file_id} holds "
+            f"{file.row_kind} rows",
+            param=param,
+            code="invalid_file",
+        )
     return file
 
 
@@ -41,44 +46,81 @@ def create(session: Session, settings: Settings, req: JobCreate) -> Job:
     train = _file(session, req.training_file, "training_file", req.task)
     task = req.task or ("sequence-classification" if train.row_kind == "text_label" else "causal-lm")
     if task not in model.tasks:
-        raise APIError(f"model {model.id} cannot be fine-tuned for {task} (it supports {', '.join(model.tasks)})",
-                       param="model", code="unsupported_task")
+        raise APIError(
+            f"model {model.id} cannot be fine-tuned for {task} (it supports {', '.join(model.tasks)})",
+            param="model",
+            code="unsupported_task",
+        )
     valid = _file(session, req.validation_file, "validation_file", task) if req.validation_file else None
     if valid is not None and valid.row_kind != train.row_kind:
-        raise APIError(f"validation file holds {valid.row_kind} rows, training file {train.row_kind} rows",
-                       param="validation_file", code="invalid_file")
+        raise APIError(
+            f"validation file holds {valid.row_kind} rows, training file {train.row_kind} rows",
+            param="validation_file",
+            code="invalid_file",
+        )
     labels: list[Any] = list(train.labels or [])
     if task == "sequence-classification":
         if len(labels) < 2:
-            raise APIError("sequence-classification needs at least two distinct labels in the training file",
-                           param="training_file", code="invalid_file")
+            raise APIError(
+                "sequence-classification needs at least two distinct labels in the training file",
+                param="training_file",
+                code="invalid_file",
+            )
         unseen = {str(x) for x in (valid.labels or [])} - {str(x) for x in labels} if valid else set()
         if unseen:
-            raise APIError(f"validation labels not in the training file: {', '.join(sorted(unseen))}",
-                           param="validation_file", code="invalid_file")
+            raise APIError(
+                f"validation labels not in the training file: {', '.join(sorted(unseen))}",
+                param="validation_file",
+                code="invalid_file",
+            )
     hp = req.effective_hyperparameters()
     if hp.max_steps is not None and hp.max_steps > settings.max_steps:
-        raise APIError(f"max_steps {hp.max_steps} is over this deployment's limit of {settings.max_steps}",
-                       param="hyperparameters.max_steps", code="limit_exceeded")
+        raise APIError(
+            f"max_steps {hp.max_steps} is over this deployment's limit of {settings.max_steps}",
+            param="hyperparameters.max_steps",
+            code="limit_exceeded",
+        )
     dist = req.distributed
     if dist is not None and dist.world_size > 1:
-        raise APIError("multi-process training needs the node scheduler, which this deployment does not run "
-                       "yet; use nodes=1, procs_per_node=1", param="distributed", code="unsupported")
+        raise APIError(
+            "multi-process training needs the node scheduler, which this deployment does not run "
+            "yet; use nodes=1, procs_per_node=1",
+            param="distributed",
+            code="unsupported",
+        )
 
     resolved = hp.resolved(train.row_count)
-    spec = {
-        "task": task, "labels": labels, "hyperparameters": hp.model_dump(mode="json"),
-        "resolved_hyperparameters": resolved.model_dump(mode="json"), "backend": req.backend,
-        "optim": req.optim, "precision": req.precision, "checkpoint_every_steps": req.checkpoint_every_steps,
+    spec: dict[str, Any] = {
+        "task": task,
+        "labels": labels,
+        "hyperparameters": hp.model_dump(mode="json"),
+        "resolved_hyperparameters": resolved.model_dump(mode="json"),
+        "backend": req.backend,
+        "optim": req.optim,
+        "precision": req.precision,
+        "checkpoint_every_steps": req.checkpoint_every_steps,
         "distributed": (dist or Distributed()).model_dump(mode="json"),
     }
-    spec["hyperparameters"].update({"n_epochs": resolved.n_epochs, "batch_size": resolved.batch_size,
-                                    "learning_rate_multiplier": hp.learning_rate_multiplier})
+    spec["hyperparameters"].update(
+        {
+            "n_epochs": resolved.n_epochs,
+            "batch_size": resolved.batch_size,
+            "learning_rate_multiplier": hp.learning_rate_multiplier,
+        }
+    )
     job = Job(
-        id=new_id("ftjob"), model=model.id, task=task, training_file_id=train.id,
-        validation_file_id=valid.id if valid else None, status=JobStatus.queued, spec=spec, suffix=req.suffix,
-        seed=req.seed if req.seed is not None else secrets.randbelow(2**31), user_metadata=req.metadata,
-        priority=req.priority, backend_requested=req.backend,
+        id=new_id("ftjob"),
+        model=model.id,
+        task=task,
+        training_file_id=train.id,
+        validation_file_id=valid.id if valid else None,
+        status=JobStatus.queued,
+        spec=spec,
+        suffix=req.suffix,
+        seed=req.seed if req.seed is not None else secrets.randbelow(2**31),
+        user_metadata=req.metadata,
+        priority=req.priority,
+        backend_requested=req.backend,
     )
     JobRepository(session).add(job)
     EventRepository(session).add(job.id, f"Created fine-tuning job {job.id}: {task} on {model.id}")
@@ -89,7 +131,9 @@ def create(session: Session, settings: Settings, req: JobCreate) -> Job:
 def get(session: Session, job_id: str) -> Job:
     job = JobRepository(session).get(job_id)
     if job is None:
-        raise NotFound(f"no fine-tuning job with id {job_id!r}", param="fine_tuning_job_id", code="job_not_found")
+        raise NotFound(
+            f"no fine-tuning job with id {job_id!r}", param="fine_tuning_job_id", code="job_not_found"
+        )
     return job
 
 
@@ -98,8 +142,11 @@ def cancel(session: Session, job_id: str) -> Job:
     repo = JobRepository(session)
     if not repo.transition(job_id, JobStatus.cancelled, only_from=CANCELLABLE, finished_at=utcnow()):
         current = repo.status(job_id)
-        raise Conflict(f"job {job_id} is already {current}; only a job that has not finished can be cancelled",
-                       param="fine_tuning_job_id", code="job_not_cancellable")
+        raise Conflict(
+            f"job {job_id} is already {current}; only a job that has not finished can be cancelled",
+            param="fine_tuning_job_id",
+            code="job_not_cancellable",
+        )
     EventRepository(session).add(job_id, "Job cancelled by request")
     session.refresh(job)
     return job

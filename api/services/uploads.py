@@ -61,7 +61,8 @@ class _Parts:
             if self.upload.path is not None:
                 raise APIError("send exactly one file part named 'file'", param="file", code="invalid_upload")
             self.upload.filename = (filename or b"").decode("utf-8", "replace")
-            self._fh = tempfile.NamedTemporaryFile(dir=self.workdir, delete=False, prefix="upload-")
+            # closed in on_part_end, or by close() when parsing fails
+            self._fh = tempfile.NamedTemporaryFile(dir=self.workdir, delete=False, prefix="upload-")  # noqa: SIM115
             self.upload.path = Path(self._fh.name)
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
@@ -69,14 +70,18 @@ class _Parts:
         if self._is_file:
             self.upload.size += len(chunk)
             if self.upload.size > self.limit:
-                raise PayloadTooLarge(f"file is larger than the upload limit of {self.limit} bytes "
-                                      "(ORTUNE_MAX_UPLOAD_BYTES)", param="file")
+                raise PayloadTooLarge(
+                    f"file is larger than the upload limit of {self.limit} bytes (ORTUNE_MAX_UPLOAD_BYTES)",
+                    param="file",
+                )
             self._digest.update(chunk)
             self._fh.write(chunk)
         else:
             self._buf += chunk
             if len(self._buf) > MAX_FIELD_BYTES:
-                raise APIError(f"form field '{self._name}' is too long", param=self._name, code="invalid_upload")
+                raise APIError(
+                    f"form field '{self._name}' is too long", param=self._name, code="invalid_upload"
+                )
 
     def on_part_end(self) -> None:
         if self._is_file:
@@ -95,17 +100,32 @@ async def receive(request: Request, workdir: Path, limit: int) -> Upload:
     """Parse a multipart/form-data body; on any error the temporary file is removed."""
     ctype, options = parse_options_header(request.headers.get("content-type", ""))
     if ctype != b"multipart/form-data" or b"boundary" not in options:
-        raise APIError("upload as multipart/form-data with a 'file' part and a 'purpose' field",
-                       param="file", code="invalid_upload")
+        raise APIError(
+            "upload as multipart/form-data with a 'file' part and a 'purpose' field",
+            param="file",
+            code="invalid_upload",
+        )
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit + MAX_FIELD_BYTES:
-        raise PayloadTooLarge(f"request of {declared} bytes is larger than the upload limit of {limit} bytes "
-                              "(ORTUNE_MAX_UPLOAD_BYTES)", param="file")
+        raise PayloadTooLarge(
+            f"request of {declared} bytes is larger than the upload limit of {limit} bytes "
+            "(ORTUNE_MAX_UPLOAD_BYTES)",
+            param="file",
+        )
     workdir.mkdir(parents=True, exist_ok=True)
     parts = _Parts(workdir, limit)
-    callbacks: Any = {name: getattr(parts, name) for name in (
-        "on_part_begin", "on_header_field", "on_header_value", "on_header_end", "on_headers_finished",
-        "on_part_data", "on_part_end")}
+    callbacks: Any = {
+        name: getattr(parts, name)
+        for name in (
+            "on_part_begin",
+            "on_header_field",
+            "on_header_value",
+            "on_header_end",
+            "on_headers_finished",
+            "on_part_data",
+            "on_part_end",
+        )
+    }
     parser = MultipartParser(options[b"boundary"], callbacks)
     try:
         async for chunk in request.stream():

@@ -34,8 +34,14 @@ class JobStatus(enum.StrEnum):
 
 def _enum(cls: type[enum.Enum], name: str) -> Enum:
     # Stored as plain strings with a CHECK, so adding a value is a one-line migration on every backend.
-    return Enum(cls, name=name, native_enum=False, create_constraint=True, length=32,
-                values_callable=lambda e: [m.value for m in e])
+    return Enum(
+        cls,
+        name=name,
+        native_enum=False,
+        create_constraint=True,
+        length=32,
+        values_callable=lambda e: [m.value for m in e],
+    )
 
 
 class File(Base):

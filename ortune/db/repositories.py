@@ -33,13 +33,20 @@ class FileRepository:
         if purpose:
             stmt = stmt.where(File.purpose == purpose)
         stmt = _after(stmt, File, self.session.get(File, after) if after else None)
-        rows = list(self.session.scalars(stmt.order_by(File.created_at.desc(), File.id.desc()).limit(limit + 1)))
+        rows = list(
+            self.session.scalars(stmt.order_by(File.created_at.desc(), File.id.desc()).limit(limit + 1))
+        )
         return rows[:limit], len(rows) > limit
 
     def in_use(self, file_id: str) -> bool:
         active = [s for s in JobStatus if not s.terminal]
-        stmt = select(func.count()).select_from(Job).where(
-            or_(Job.training_file_id == file_id, Job.validation_file_id == file_id), Job.status.in_(active)
+        stmt = (
+            select(func.count())
+            .select_from(Job)
+            .where(
+                or_(Job.training_file_id == file_id, Job.validation_file_id == file_id),
+                Job.status.in_(active),
+            )
         )
         return bool(self.session.scalar(stmt))
 
@@ -66,10 +73,14 @@ class JobRepository:
 
     def list(self, *, after: str | None, limit: int) -> tuple[list[Job], bool]:
         stmt = _after(select(Job), Job, self.session.get(Job, after) if after else None)
-        rows = list(self.session.scalars(stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)))
+        rows = list(
+            self.session.scalars(stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1))
+        )
         return rows[:limit], len(rows) > limit
 
-    def transition(self, job_id: str, to: JobStatus, *, only_from: Iterable[JobStatus], **values: Any) -> bool:
+    def transition(
+        self, job_id: str, to: JobStatus, *, only_from: Iterable[JobStatus], **values: Any
+    ) -> bool:
         """Compare-and-set on status: the single way a job's status changes, so races resolve in SQL."""
         stmt = (
             update(Job)
@@ -99,10 +110,26 @@ class EventRepository:
     def __init__(self, session: Session) -> None:
         self.session = session
 
-    def add(self, job_id: str, message: str, *, level: str = "info", type: str = "message",
-            data: dict[str, Any] | None = None, created_at: datetime | None = None) -> None:
-        self.session.add(JobEvent(job_id=job_id, message=message, level=level, type=type, data=data,
-                                  created_at=created_at or utcnow()))
+    def add(
+        self,
+        job_id: str,
+        message: str,
+        *,
+        level: str = "info",
+        type: str = "message",
+        data: dict[str, Any] | None = None,
+        created_at: datetime | None = None,
+    ) -> None:
+        self.session.add(
+            JobEvent(
+                job_id=job_id,
+                message=message,
+                level=level,
+                type=type,
+                data=data,
+                created_at=created_at or utcnow(),
+            )
+        )
 
     def add_many(self, rows: Sequence[dict[str, Any]]) -> None:
         if rows:
@@ -129,11 +156,12 @@ class MetricRepository:
         latest = {(name, step): value for name, step, value in points}
         rows = [{"job_id": job_id, "name": n, "step": s, "value": v} for (n, s), v in latest.items()]
         dialect = self.session.get_bind().dialect.name
-        insert_fn = {"postgresql": pg_insert, "sqlite": sqlite_insert}[dialect]
+        insert_fn: Any = {"postgresql": pg_insert, "sqlite": sqlite_insert}[dialect]
         for i in range(0, len(rows), 2000):  # stay under the backends' bound-parameter limits
-            stmt = insert_fn(JobMetric).values(rows[i:i + 2000])
-            stmt = stmt.on_conflict_do_update(index_elements=["job_id", "name", "step"],
-                                              set_={"value": stmt.excluded.value})
+            stmt = insert_fn(JobMetric).values(rows[i : i + 2000])
+            stmt = stmt.on_conflict_do_update(
+                index_elements=["job_id", "name", "step"], set_={"value": stmt.excluded.value}
+            )
             self.session.execute(stmt)
         self.session.flush()
 
@@ -153,7 +181,9 @@ class CheckpointRepository:
 
     def add(self, checkpoint: Checkpoint) -> None:
         existing = self.session.scalars(
-            select(Checkpoint).where(Checkpoint.job_id == checkpoint.job_id, Checkpoint.step == checkpoint.step)
+            select(Checkpoint).where(
+                Checkpoint.job_id == checkpoint.job_id, Checkpoint.step == checkpoint.step
+            )
         ).first()
         if existing is not None:
             self.session.delete(existing)
@@ -196,5 +226,8 @@ def _after(stmt: Any, model: Any, anchor: Any) -> Any:
     if anchor is None:
         return stmt
     return stmt.where(
-        or_(model.created_at < anchor.created_at, and_(model.created_at == anchor.created_at, model.id < anchor.id))
+        or_(
+            model.created_at < anchor.created_at,
+            and_(model.created_at == anchor.created_at, model.id < anchor.id),
+        )
     )

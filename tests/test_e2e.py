@@ -1,0 +1,199 @@
+"""Whole jobs through real processes: the API under uvicorn, a Celery worker, the trainer subprocess,
+on the embedded default and on Postgres + Redis + SeaweedFS."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ortune import embedded
+from ortune.client import Client
+from ortune.settings import Settings
+from tests.conftest import DEMO, write_jsonl
+
+pytestmark = pytest.mark.e2e
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+@pytest.fixture
+def service(settings: Settings, tmp_path: Path) -> Iterator[Client]:
+    logs = tmp_path / "logs"
+    with embedded.start(settings, log_dir=logs):
+        yield Client(settings.api_url)
+    for log in sorted(logs.glob("*.log")):
+        print(f"--- {log.name} (tail)\n" + "".join(log.read_text(errors="replace").splitlines(True)[-40:]))
+
+
+def wait_for(client: Client, job_id: str, statuses: set[str], timeout: float = 300) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = client.job(job_id)
+        if job["status"] in statuses:
+            return job
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} still {job['status']} after {timeout}s: {job}")
+
+
+def all_events(client: Client, job_id: str) -> list[dict[str, Any]]:
+    return list(reversed(client.get(f"/v1/fine_tuning/jobs/{job_id}/events", limit=100)["data"]))
+
+
+def demo_rows(name: str, n: int) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (DEMO / name).read_text().splitlines()[:n]]
+
+
+def extract(archive: Path, into: Path, fmt: str) -> Path:
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return into / fmt
+
+
+def test_classification_job_end_to_end(service: Client, tmp_path: Path) -> None:
+    train = service.upload(write_jsonl(tmp_path / "train.jsonl", demo_rows("sentiment_train.jsonl", 64)))
+    valid = service.upload(write_jsonl(tmp_path / "valid.jsonl", demo_rows("sentiment_valid.jsonl", 16)))
+    job = service.create_job(
+        model="tiny-bert",
+        training_file=train["id"],
+        validation_file=valid["id"],
+        backend="torch",
+        seed=11,
+        checkpoint_every_steps=3,
+        hyperparameters={"max_steps": 6, "batch_size": 8, "learning_rate": 1e-3, "max_seq_length": 32},
+    )
+    done = wait_for(service, job["id"], TERMINAL)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["backend_used"] == "torch" and done["progress"] == {"step": 6, "total_steps": 6}
+    assert done["fine_tuned_model"] == f"ft:tiny-bert:ortune:{job['id']}"
+    assert done["result"]["onnx_max_abs_diff"] <= 1e-3 and done["trained_tokens"] > 0
+
+    events = all_events(service, job["id"])
+    metrics = [e for e in events if e["type"] == "metrics"]
+    assert any(e["data"].get("train_loss") is not None for e in metrics)
+    assert any("Backend: torch" in e["message"] for e in events)
+    steps = [c["step_number"] for c in service.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints")["data"]]
+    assert steps == [6, 3]
+    series = service.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics")["data"]
+    assert series["train_loss"]["steps"] == [1, 2, 3, 4, 5, 6]
+    assert series["eval_accuracy"]["steps"][0] == 0  # the evaluation before training
+
+    texts = [r["text"] for r in demo_rows("sentiment_valid.jsonl", 16)]
+    pt_dir = (
+        extract(tmp_path / "pt.tar", tmp_path, "pytorch")
+        if service.download(job["id"], "pytorch", tmp_path / "pt.tar")
+        else None
+    )
+    onnx_dir = (
+        extract(tmp_path / "onnx.tar", tmp_path, "onnx")
+        if service.download(job["id"], "onnx", tmp_path / "onnx.tar")
+        else None
+    )
+    assert (
+        pt_dir
+        and onnx_dir
+        and (pt_dir / "model.safetensors").is_file()
+        and (onnx_dir / "model.onnx").is_file()
+    )
+
+    import onnxruntime as ort
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pt_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(pt_dir).eval()
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    enc = tok(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        pt_logits = model(**enc).logits.numpy()
+    manifest = json.loads((onnx_dir / "ortune_manifest.json").read_text())
+    assert manifest["parity"]["max_abs_diff"] == done["result"]["onnx_max_abs_diff"]
+    session = ort.InferenceSession(str(onnx_dir / "model.onnx"))
+    onnx_enc = AutoTokenizer.from_pretrained(onnx_dir)(texts, padding=True, return_tensors="np")
+    onnx_logits = session.run(["logits"], {n: onnx_enc[n] for n in manifest["inputs"]})[0]
+    assert np.abs(onnx_logits - pt_logits).max() < 1e-3
+    assert (onnx_logits.argmax(-1) == pt_logits.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("settings", ["production"], indirect=True)
+def test_causal_lm_job_end_to_end(service: Client, tmp_path: Path) -> None:
+    rows = [
+        {"prompt": f"Q: what is {a} plus {b}? A:", "completion": f" {a + b}"}
+        for a in range(8)
+        for b in range(4)
+    ]
+    train = service.upload(write_jsonl(tmp_path / "lm.jsonl", rows))
+    job = service.create_job(
+        model="tiny-gpt2",
+        training_file=train["id"],
+        seed=5,
+        hyperparameters={"max_steps": 4, "batch_size": 8, "learning_rate": 1e-3},
+    )
+    done = wait_for(service, job["id"], TERMINAL)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["task"] == "causal-lm"
+    service.download(job["id"], "pytorch", tmp_path / "pt.tar")
+    service.download(job["id"], "onnx", tmp_path / "onnx.tar")
+    pt_dir, onnx_dir = (
+        extract(tmp_path / "pt.tar", tmp_path, "pytorch"),
+        extract(tmp_path / "onnx.tar", tmp_path, "onnx"),
+    )
+
+    import onnxruntime as ort
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pt_dir)
+    model = AutoModelForCausalLM.from_pretrained(pt_dir).eval()
+    ids = tok("Q: what is 3 plus 1? A:", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.eos_token_id)
+    assert out.shape[1] > ids["input_ids"].shape[1]
+    session = ort.InferenceSession(str(onnx_dir / "model.onnx"))
+    enc = tok(["Q: what is 3 plus 1? A:", "Q:"], padding=True, return_tensors="np")
+    logits = session.run(
+        ["logits"], {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    )[0]
+    assert logits.shape == (*enc["input_ids"].shape, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_cancel_a_running_job_stops_training(service: Client, tmp_path: Path) -> None:
+    train = service.upload(write_jsonl(tmp_path / "train.jsonl", demo_rows("sentiment_train.jsonl", 64)))
+    job = service.create_job(
+        model="tiny-bert",
+        training_file=train["id"],
+        backend="torch",
+        hyperparameters={"max_steps": 100000, "batch_size": 8, "max_seq_length": 32},
+    )
+    deadline = time.monotonic() + 120
+    while service.job(job["id"])["progress"]["step"] < 3:
+        assert time.monotonic() < deadline, "training never started"
+        time.sleep(0.3)
+    cancelled_at = time.monotonic()
+    assert service.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel")["status"] == "cancelled"
+    while not any(
+        "stopped after the job was cancelled" in e["message"] for e in all_events(service, job["id"])
+    ):
+        assert time.monotonic() - cancelled_at < 10, "training did not stop within 10 s of cancel"
+        time.sleep(0.2)
+    step = service.job(job["id"])["progress"]["step"]
+    time.sleep(1.5)
+    final = service.job(job["id"])
+    assert final["status"] == "cancelled" and final["progress"]["step"] == step
+
+
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_backend_ort_without_ort_fails_with_the_reason(service: Client, tmp_path: Path) -> None:
+    train = service.upload(write_jsonl(tmp_path / "train.jsonl", demo_rows("sentiment_train.jsonl", 32)))
+    job = service.create_job(
+        model="tiny-bert", training_file=train["id"], backend="ort", hyperparameters={"max_steps": 2}
+    )
+    done = wait_for(service, job["id"], TERMINAL)
+    assert done["status"] == "failed"
+    assert done["error"]["code"] == "BackendUnavailable"
+    assert "ORTModule" in done["error"]["message"]
+    assert any(e["level"] == "error" and "ORTModule" in e["message"] for e in all_events(service, job["id"]))
