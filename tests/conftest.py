@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.main import create_app
+from ortune import embedded
+from ortune.client import Client
 from ortune.db.migrate import upgrade
 from ortune.settings import Settings
 from tests import services
@@ -118,3 +121,22 @@ def train_file(client: TestClient) -> dict[str, Any]:
     response = upload(client, DEMO / "sentiment_train.jsonl")
     assert response.status_code == 200, response.text
     return response.json()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def service(settings: Settings, tmp_path: Path) -> Iterator[Client]:
+    logs = tmp_path / "logs"
+    with embedded.start(settings, log_dir=logs):
+        yield Client(settings.api_url)
+    for log in sorted(logs.glob("*.log")):
+        print(f"--- {log.name} (tail)\n" + "".join(log.read_text(errors="replace").splitlines(True)[-40:]))
+
+
+def wait_for(client: Client, job_id: str, statuses: set[str], timeout: float = 300) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = client.job(job_id)
+        if job["status"] in statuses:
+            return job
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} still {job['status']} after {timeout}s: {job}")

@@ -6,39 +6,17 @@ from __future__ import annotations
 import json
 import tarfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from ortune import embedded
 from ortune.client import Client
-from ortune.settings import Settings
-from tests.conftest import DEMO, write_jsonl
+from tests.conftest import DEMO, wait_for, write_jsonl
 
 pytestmark = pytest.mark.e2e
 TERMINAL = {"succeeded", "failed", "cancelled"}
-
-
-@pytest.fixture
-def service(settings: Settings, tmp_path: Path) -> Iterator[Client]:
-    logs = tmp_path / "logs"
-    with embedded.start(settings, log_dir=logs):
-        yield Client(settings.api_url)
-    for log in sorted(logs.glob("*.log")):
-        print(f"--- {log.name} (tail)\n" + "".join(log.read_text(errors="replace").splitlines(True)[-40:]))
-
-
-def wait_for(client: Client, job_id: str, statuses: set[str], timeout: float = 300) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = client.job(job_id)
-        if job["status"] in statuses:
-            return job
-        time.sleep(0.3)
-    raise AssertionError(f"job {job_id} still {job['status']} after {timeout}s: {job}")
 
 
 def all_events(client: Client, job_id: str) -> list[dict[str, Any]]:
