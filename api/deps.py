@@ -36,5 +36,7 @@ def get_store(request: Request) -> ObjectStore:
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": commit before the response is sent. With the default ("request") the commit ran after
+# the response, so a client that created a job and fetched it at once could be answered 404.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 StoreDep = Annotated[ObjectStore, Depends(get_store)]

@@ -65,6 +65,20 @@ def worker_cmd() -> None:
     os.execvpe(cmd[0], cmd, child_env(settings))
 
 
+@app.command("setup-ort")
+def setup_ort(
+    install: Annotated[bool, typer.Option(help="pip-install onnxruntime-training if it is missing")] = False,
+) -> None:
+    """Make ONNX Runtime training work here: patch and build its torch extensions, then prove it trains."""
+    from trainer_core import ort_setup
+
+    try:
+        ort_setup.run(install=install)
+    except ort_setup.SetupError as exc:
+        console.print(f"[red]setup-ort failed:[/] {exc}")
+        raise typer.Exit(1) from exc
+
+
 @app.command()
 def migrate() -> None:
     """Bring the database schema to the latest revision."""

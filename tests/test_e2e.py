@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ortune import embedded
 from ortune.client import Client
+from ortune.settings import Settings
 from tests.conftest import DEMO, wait_for, write_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -165,13 +167,48 @@ def test_cancel_a_running_job_stops_training(service: Client, tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("settings", ["embedded"], indirect=True)
-def test_backend_ort_without_ort_fails_with_the_reason(service: Client, tmp_path: Path) -> None:
+def test_backend_ort_job_reports_ort(service: Client, tmp_path: Path) -> None:
     train = service.upload(write_jsonl(tmp_path / "train.jsonl", demo_rows("sentiment_train.jsonl", 32)))
     job = service.create_job(
-        model="tiny-bert", training_file=train["id"], backend="ort", hyperparameters={"max_steps": 2}
+        model="tiny-bert",
+        training_file=train["id"],
+        backend="ort",
+        hyperparameters={"max_steps": 3, "batch_size": 8},
     )
     done = wait_for(service, job["id"], TERMINAL)
-    assert done["status"] == "failed"
-    assert done["error"]["code"] == "BackendUnavailable"
-    assert "ORTModule" in done["error"]["message"]
-    assert any(e["level"] == "error" and "ORTModule" in e["message"] for e in all_events(service, job["id"]))
+    assert done["status"] == "succeeded", done["error"]
+    assert (done["backend"], done["backend_used"], done["backend_reason"]) == ("ort", "ort", None)
+    assert done["result"]["metrics"]["ort_training_graph_nodes"] > 50
+    assert any("ONNX Runtime trained this job" in e["message"] for e in all_events(service, job["id"]))
+
+
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_broken_ort_install_fails_backend_ort_with_the_reason(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.test_ort import BROKEN_ORT
+
+    shadow = tmp_path / "broken"
+    shadow.mkdir()
+    (shadow / "sitecustomize.py").write_text(BROKEN_ORT)
+    monkeypatch.setenv("PYTHONPATH", str(shadow))  # the worker and its trainer start with a broken ORT
+    with embedded.start(settings, log_dir=tmp_path / "logs"):
+        client = Client(settings.api_url)
+        train = client.upload(write_jsonl(tmp_path / "train.jsonl", demo_rows("sentiment_train.jsonl", 32)))
+        job = client.create_job(
+            model="tiny-bert", training_file=train["id"], backend="ort", hyperparameters={"max_steps": 2}
+        )
+        done = wait_for(client, job["id"], TERMINAL)
+        assert done["status"] == "failed"
+        assert done["error"]["code"] == "BackendUnavailable"
+        assert "simulated broken onnxruntime-training build" in done["error"]["message"]
+        auto = client.create_job(
+            model="tiny-bert", training_file=train["id"], backend="auto", hyperparameters={"max_steps": 2}
+        )
+        done = wait_for(client, auto["id"], TERMINAL)
+        assert done["status"] == "succeeded", done["error"]
+        assert done["backend_used"] == "torch" and "fell back to PyTorch" in done["backend_reason"]
+        assert any(
+            e["level"] == "warn" and "simulated broken" in e["message"]
+            for e in all_events(client, auto["id"])
+        )

@@ -1,13 +1,15 @@
 """Which engine runs forward/backward, and why: decided before training and recorded on the job.
 
-`torch` is plain PyTorch. `ort` asks for ONNX Runtime training's ORTModule and fails loudly when it cannot
-run. `auto` takes ORT where it imports and runs, otherwise PyTorch, and says why in an event.
+`torch` is plain PyTorch. `ort` asks for ONNX Runtime training's ORTModule and fails the job, with the
+reason, when it cannot run. `auto` measures both on the job's own model and first batch when ORT can run
+(see `measure`) and keeps the faster; when ORT cannot run it trains with PyTorch and says why. Never silent.
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from trainer_core.spec import TrainingSpec
 
@@ -19,45 +21,111 @@ class BackendUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class BackendChoice:
     requested: str
-    used: str
+    used: str  # "torch", "ort", or "measure": auto with ORT available, decided by `measure`
     reason: str | None = None
     optim: str = "adamw_torch"
+    ort_optim: str | None = None
     optim_note: str | None = None
+    figures: dict[str, Any] = field(default_factory=dict)
 
 
-def ort_import_error() -> str | None:
-    """None when ORTModule imports, otherwise why not."""
+def ort_problem(spec: TrainingSpec, *, cuda: bool) -> str | None:
+    """None when ORTModule can train this spec here, otherwise why not."""
+    if not cuda and spec.precision != "fp32":
+        return f"ORT training on CPU runs fp32 only (precision {spec.precision} was asked for)"
+    from trainer_core import ort_setup
+
+    if (broken := ort_setup.reason_if_broken()) is not None:
+        return broken
     try:
-        importlib.import_module("onnxruntime.training.ortmodule")
+        from trainer_core import ort_compat
+
+        ort_compat.apply()
+        import onnxruntime.training.ortmodule  # noqa: F401
     except Exception as exc:  # an ImportError, or whatever a broken ORT build raises on import
         return f"onnxruntime-training's ORTModule does not import: {type(exc).__name__}: {exc}"
     return None
 
 
-def _optim(spec: TrainingSpec, cuda: bool) -> tuple[str, str | None]:
-    if spec.optim == "adamw_ort_fused" and not cuda:
-        return (
-            "adamw_torch_fused",
-            "adamw_ort_fused is ONNX Runtime's CUDA-only FusedAdam; on CPU it is replaced by "
-            "torch's fused AdamW (adamw_torch_fused)",
-        )
-    if spec.optim == "adamw_ort_fused":
-        return "adamw_ort_fused", None
-    return spec.optim, None
-
-
 def choose(spec: TrainingSpec, *, cuda: bool) -> BackendChoice:
-    optim, note = _optim(spec, cuda)
-    if spec.backend == "torch":
-        if optim == "adamw_ort_fused":
-            optim, note = "adamw_torch_fused", "adamw_ort_fused needs backend ort; using adamw_torch_fused"
-        return BackendChoice("torch", "torch", None, optim, note)
-    problem = ort_import_error()
-    if problem is None:
-        # ORTModule imports; the engine that wraps the model with it lands with the ORT trainer.
-        problem = "this build of trainer_core has no ORTModule engine yet"
-    if spec.backend == "ort":
+    problem = None if spec.backend == "torch" else ort_problem(spec, cuda=cuda)
+    if spec.backend == "ort" and problem:
         raise BackendUnavailable(problem)
-    if optim == "adamw_ort_fused":
-        optim, note = "adamw_torch_fused", "adamw_ort_fused needs ORT; using adamw_torch_fused"
-    return BackendChoice("auto", "torch", f"fell back to PyTorch: {problem}", optim, note)
+    if spec.backend == "torch":
+        choice = BackendChoice("torch", "torch")
+    elif problem:
+        choice = BackendChoice("auto", "torch", f"fell back to PyTorch: {problem}")
+    else:
+        choice = BackendChoice(spec.backend, "ort" if spec.backend == "ort" else "measure")
+    return _with_optimizer(choice, spec.optim, cuda=cuda)
+
+
+def _with_optimizer(choice: BackendChoice, optim: str, *, cuda: bool) -> BackendChoice:
+    if optim != "adamw_ort_fused":
+        return replace(choice, optim=optim)
+    if not cuda:
+        note = (
+            "adamw_ort_fused is ONNX Runtime's CUDA-only FusedAdam; on CPU it is replaced by torch's "
+            "fused AdamW (adamw_torch_fused)"
+        )
+        return replace(choice, optim="adamw_torch_fused", optim_note=note)
+    if choice.used == "torch":
+        return replace(
+            choice,
+            optim="adamw_torch_fused",
+            optim_note="adamw_ort_fused needs the ORT backend; using adamw_torch_fused",
+        )
+    return replace(choice, optim="adamw_torch", ort_optim="adamw_ort_fused")
+
+
+def decided(choice: BackendChoice, used: str, figures: dict[str, Any], cuda: bool) -> BackendChoice:
+    """The choice after `measure`: the optimizer follows the backend that won."""
+    reason = (
+        f"measured {figures['torch_ms']:.1f} ms/step with PyTorch and {figures['ort_ms']:.1f} ms/step "
+        f"with ORT on this job's model and batch; kept {used}"
+    )
+    out = replace(choice, used=used, reason=reason, figures=figures)
+    return _with_optimizer(out, "adamw_ort_fused", cuda=cuda) if choice.ort_optim else out
+
+
+def measure(
+    model: Any, batch: dict[str, Any], *, steps: int = 3, log_level: str = "WARNING"
+) -> dict[str, Any]:
+    """Time forward+backward of PyTorch and ORTModule on the same model and batch.
+
+    No optimizer step is taken and gradients are cleared, so the model is unchanged; the RNG state is
+    restored, so training draws the same dropout masks as it would have. The ORTModule built here is
+    returned for reuse, so its export is not paid twice.
+    """
+    import torch
+
+    from trainer_core.ort_trainer import wrap
+
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def timed(module: Any) -> float:
+        module(**batch).loss.backward()  # warm-up: allocations, and ORT's export and graph build
+        start = time.perf_counter()
+        for _ in range(steps):
+            module(**batch).loss.backward()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / steps * 1000
+
+    t0 = time.perf_counter()
+    torch_ms = timed(model)
+    ort_module = wrap(model, log_level)
+    ort_ms = timed(ort_module)
+    model.zero_grad(set_to_none=True)
+    torch.set_rng_state(rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
+    return {
+        "torch_ms": torch_ms,
+        "ort_ms": ort_ms,
+        "steps": steps,
+        "batch_shape": list(batch["input_ids"].shape),
+        "cost_s": time.perf_counter() - t0,
+        "ort_module": ort_module,
+    }

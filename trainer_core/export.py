@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer_core.ort_compat import dynamo_export
+
 PARITY_TOLERANCE = 1e-3
 MANIFEST = "ortune_manifest.json"
 
@@ -90,11 +92,10 @@ def export_onnx(
     wrapper = _Logits(model, names)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
-        program = torch.onnx.export(
+        program = dynamo_export(
             wrapper,
             (),
             kwargs=sample,
-            dynamo=True,
             input_names=names,
             output_names=["logits"],
             dynamic_shapes={n: {0: batch, 1: seq} for n in names},

@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from trainer_core.events import EventStream
 from trainer_core.spec import TrainingSpec
@@ -23,24 +24,11 @@ def run(spec: TrainingSpec, events: EventStream) -> None:
     import torch
     import transformers
 
-    from trainer_core import backends, data, export, modeling, registry, rows, trainer
+    from trainer_core import backends, data, export, modeling, ort_trainer, registry, rows, trainer
 
     transformers.utils.logging.set_verbosity_error()
     cuda = torch.cuda.is_available()
     choice = backends.choose(spec, cuda=cuda)
-    events.emit(
-        "backend",
-        requested=choice.requested,
-        used=choice.used,
-        reason=choice.reason,
-        optim=choice.optim,
-        optim_note=choice.optim_note,
-    )
-    if choice.reason:
-        events.message(choice.reason, level="warn")
-    if choice.optim_note:
-        events.message(choice.optim_note, level="warn")
-
     transformers.set_seed(spec.seed)
     train_rows = rows.load_rows(Path(spec.train_file), spec.train_format)
     valid_rows = (
@@ -53,15 +41,34 @@ def run(spec: TrainingSpec, events: EventStream) -> None:
         registry.ALL_TASKS,
     )
     t0 = time.perf_counter()
-    loaded = modeling.load(info, spec, data.texts_of(train_rows))
+    # ORT's gradient builder cannot take SDPA attention, so a model that may run in ORT loads eager attention.
+    attention = "sdpa" if choice.used == "torch" else "eager"
+    loaded = modeling.load(info, spec, data.texts_of(train_rows), attn_implementation=attention)
     events.message(
         f"loaded {spec.model} ({sum(p.numel() for p in loaded.model.parameters()):,} parameters) "
         f"in {time.perf_counter() - t0:.1f}s"
     )
     train_set = data.encode(train_rows, loaded.tokenizer, spec)
     valid_set = data.encode(valid_rows, loaded.tokenizer, spec) if valid_rows else None
+    ort_module = None
+    if choice.used == "measure":
+        collate = data.Collator(loaded.tokenizer.pad_token_id, spec.task)
+        batch = collate(train_set.items[: spec.hyperparameters.batch_size])
+        figures = backends.measure(loaded.model, batch)
+        winner = "ort" if figures["ort_ms"] < figures["torch_ms"] else "torch"
+        ort_module = figures.pop("ort_module") if winner == "ort" else None
+        choice = backends.decided(choice, winner, figures, cuda)
+    _report_backend(events, choice)
     hf_trainer = trainer.build(
-        spec, choice, loaded.model, loaded.tokenizer, train_set, valid_set, events, cuda=cuda
+        spec,
+        choice,
+        loaded.model,
+        loaded.tokenizer,
+        train_set,
+        valid_set,
+        events,
+        cuda=cuda,
+        ort_module=ort_module,
     )
 
     # Train, with an evaluation before and after so the job shows what training bought.
@@ -72,6 +79,11 @@ def run(spec: TrainingSpec, events: EventStream) -> None:
     if valid_set is not None:
         after = hf_trainer.evaluate()
         final |= {k: float(v) for k, v in after.items() if k in ("eval_loss", "eval_accuracy")}
+
+    if choice.used == "ort":
+        nodes = ort_trainer.training_graph_nodes(hf_trainer.ort_module)  # type: ignore[arg-type]
+        final["ort_training_graph_nodes"] = nodes
+        events.message(f"ONNX Runtime trained this job: its training graph has {nodes} nodes")
 
     # Save: a Hugging Face directory and an ONNX export checked against it.
     out = Path(spec.output_dir)
@@ -100,6 +112,22 @@ def run(spec: TrainingSpec, events: EventStream) -> None:
         trained_tokens=tokens,
         onnx_max_abs_diff=onnx["parity"]["max_abs_diff"],
     )
+
+
+def _report_backend(events: EventStream, choice: Any) -> None:
+    events.emit(
+        "backend",
+        requested=choice.requested,
+        used=choice.used,
+        reason=choice.reason,
+        optim=choice.ort_optim or choice.optim,
+        optim_note=choice.optim_note,
+        figures={k: v for k, v in choice.figures.items() if k != "ort_module"},
+    )
+    if choice.reason:
+        events.message(choice.reason, level="warn" if "fell back" in choice.reason else "info")
+    if choice.optim_note:
+        events.message(choice.optim_note, level="warn")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Build the Hugging Face Trainer for a spec. The ORT engine plugs in here (see backends.choose)."""
+"""Build the Trainer for a spec: an ORTTrainer, with ORTModule on or off as backends.choose decided."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from transformers import Trainer, TrainingArguments
 
 from trainer_core.backends import BackendChoice
 from trainer_core.callbacks import EventCallback
 from trainer_core.data import Collator, Examples
 from trainer_core.events import EventStream
+from trainer_core.ort_trainer import ORTTrainer, ORTTrainingArguments
 from trainer_core.spec import TrainingSpec
 
 
@@ -28,12 +28,14 @@ def accuracy(pred: Any) -> dict[str, float]:
 
 def training_arguments(
     spec: TrainingSpec, choice: BackendChoice, *, cuda: bool, has_eval: bool
-) -> TrainingArguments:
+) -> ORTTrainingArguments:
     hp = spec.hyperparameters
     if spec.precision == "fp16" and not cuda:
         raise SpecError("precision fp16 needs a CUDA GPU; this worker has none (use fp32 or bf16)")
     every = spec.checkpoint_every_steps
-    return TrainingArguments(
+    return ORTTrainingArguments(
+        use_ort=choice.used == "ort",
+        ort_optim=choice.ort_optim,
         output_dir=str(Path(spec.output_dir) / "checkpoints"),
         per_device_train_batch_size=hp.batch_size,
         per_device_eval_batch_size=max(hp.batch_size, 16),
@@ -73,10 +75,12 @@ def build(
     events: EventStream,
     *,
     cuda: bool,
-) -> Trainer:
+    ort_module: Any = None,
+) -> ORTTrainer:
     args = training_arguments(spec, choice, cuda=cuda, has_eval=valid is not None)
     samples_per_step = spec.hyperparameters.batch_size * spec.hyperparameters.gradient_accumulation_steps
-    return Trainer(
+    return ORTTrainer(
+        ort_module=ort_module,
         model=model,
         args=args,
         train_dataset=train,

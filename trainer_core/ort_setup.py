@@ -1,0 +1,199 @@
+"""`ortune setup-ort`: make ONNX Runtime training usable here, idempotently, saying what failed.
+
+1. onnxruntime-training 1.19.2 is importable (the CPU build where there is no CUDA);
+2. its torch_interop_utils C++ sources are patched for torch 2.9+ (autograd `Node` is held by
+   `c10::intrusive_ptr`, `PyNode::obj` became `pyobj()`, `THPFunction::cdata` is no longer a weak pointer,
+   and libtorch_python no longer exports `tensor_fromDLPack` or PyNode's type info);
+3. the extensions are built (what `python -m torch_ort.configure` did; torch-ort itself is not needed);
+4. a two-step ORTModule smoke run with fallback disabled proves ORT really trains.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+ORT_VERSION = "1.19.2"
+MARK = "// ortune: patched for torch >= 2.9"
+_FROM_DLPACK = """
+// ortune: torch::utils::tensor_fromDLPack is no longer exported by libtorch_python.
+static at::Tensor ortune_tensor_from_dlpack(PyObject* capsule) {
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+  TORCH_CHECK(managed != nullptr, "from_dlpack received an invalid capsule");
+  at::Tensor tensor = at::fromDLPack(managed);
+  PyCapsule_SetName(capsule, "used_dltensor");
+  return tensor;
+}
+"""
+_NOT_EXPORTED = "  // PyNode's type info is not exported by libtorch_python; ORT only passes PyNodes here"
+PATCHES: dict[str, list[tuple[str, str]]] = {
+    "ctx_pool.h": [
+        (
+            "std::unordered_map<size_t, std::shared_ptr<torch::autograd::Node>> grad_fns_;",
+            "std::unordered_map<size_t, c10::intrusive_ptr<torch::autograd::Node>> grad_fns_;",
+        ),
+    ],
+    "custom_function_fw.cc": [
+        (
+            "const std::shared_ptr<torch::autograd::Node>& cdata = tensor_owning_ctx.value().grad_fn();",
+            "const auto& cdata = tensor_owning_ctx.value().grad_fn();",
+        ),
+        (
+            "auto py_node_fn = dynamic_cast<torch::autograd::PyNode*>(grad_fn.get());",
+            "auto py_node_fn = static_cast<torch::autograd::PyNode*>(grad_fn.get());" + _NOT_EXPORTED,
+        ),
+        (
+            "auto py_node_fn = dynamic_cast<torch::autograd::PyNode*>(cdata.get());",
+            "auto py_node_fn = static_cast<torch::autograd::PyNode*>(cdata.get());" + _NOT_EXPORTED,
+        ),
+        ("(THPFunction*)py_node_fn->obj;", "(THPFunction*)py_node_fn->pyobj();"),
+        ("auto saved_for = py_fn->cdata.lock();", "auto saved_for = py_fn->cdata;"),
+        ("torch::utils::tensor_fromDLPack(", "ortune_tensor_from_dlpack("),
+    ],
+    "custom_function_bw.cc": [("torch::utils::tensor_fromDLPack(", "ortune_tensor_from_dlpack(")],
+}
+NEEDS_HELPER = ("custom_function_fw.cc", "custom_function_bw.cc")
+
+SMOKE = """
+from trainer_core import ort_compat; ort_compat.apply()
+import torch
+from onnxruntime.training.ortmodule import ORTModule
+from transformers import BertConfig, BertForSequenceClassification
+torch.manual_seed(0)
+config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    intermediate_size=64, num_labels=2, attn_implementation="eager")
+model = BertForSequenceClassification(config).train()
+ort_model = ORTModule(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+ids = torch.randint(5, 100, (4, 8))
+for _ in range(2):
+    labels = torch.tensor([0, 1, 0, 1])
+    loss = ort_model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+    loss.backward(); opt.step(); opt.zero_grad()
+print("ok", float(loss.detach()))
+"""
+
+
+class SetupError(RuntimeError):
+    pass
+
+
+def _say(message: str) -> None:
+    print(f"setup-ort: {message}", flush=True)
+
+
+def extensions_dir() -> Path:
+    spec = importlib.util.find_spec("onnxruntime")
+    if spec is None or spec.origin is None:
+        raise SetupError("onnxruntime is not installed")
+    path = Path(spec.origin).parent / "training" / "ortmodule" / "torch_cpp_extensions"
+    if not path.is_dir():
+        raise SetupError(
+            f"{Path(spec.origin).parent} is an inference-only onnxruntime; "
+            f"install onnxruntime-training-cpu=={ORT_VERSION} (ortune setup-ort --install)"
+        )
+    return path
+
+
+def patch_sources(ext_dir: Path) -> list[str]:
+    """Patch torch_interop_utils in place; returns the files changed (none when already patched)."""
+    src = ext_dir / "cpu" / "torch_interop_utils"
+    changed = []
+    for name, subs in PATCHES.items():
+        path = src / name
+        text = path.read_text()
+        if MARK in text:
+            continue
+        for old, new in subs:
+            if old not in text:
+                raise SetupError(f"{path}: expected source not found (is this ORT {ORT_VERSION}?): {old!r}")
+            text = text.replace(old, new)
+        if name in NEEDS_HELPER:
+            anchor = "#include <torch/extension.h>"
+            if anchor not in text:
+                raise SetupError(f"{path}: expected source not found: {anchor!r}")
+            text = text.replace(anchor, f"{anchor}\n#include <ATen/DLConvertor.h>\n{_FROM_DLPACK}", 1)
+        path.write_text(f"{MARK}\n{text}")
+        changed.append(name)
+    return changed
+
+
+def built(ext_dir: Path) -> bool:
+    return all(any(ext_dir.glob(f"{name}*.so")) for name in ("aten_op_executor", "torch_interop_utils"))
+
+
+def build(ext_dir: Path) -> None:
+    code = (
+        "from trainer_core import ort_compat; ort_compat.apply();"
+        "from onnxruntime.training.ortmodule.torch_cpp_extensions import install;"
+        "install.build_torch_cpp_extensions()"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if result.returncode != 0 or not built(ext_dir):
+        errors = [
+            line
+            for line in (result.stdout + result.stderr).splitlines()
+            if " error" in line or "Error" in line
+        ]
+        raise SetupError(
+            "building ORT's torch extensions failed:\n"
+            + "\n".join(errors[-15:] or result.stderr.splitlines()[-15:])
+        )
+
+
+def smoke() -> str:
+    result = subprocess.run([sys.executable, "-c", SMOKE], capture_output=True, text=True, timeout=600)
+    last = (result.stdout.strip().splitlines() or [""])[-1]
+    if result.returncode != 0 or not last.startswith("ok"):
+        tail = [line for line in result.stderr.splitlines() if line.strip()][-6:]
+        raise SetupError("ORTModule smoke run failed:\n" + "\n".join(tail))
+    return last
+
+
+def install_package(cuda: bool) -> None:
+    name = "onnxruntime-training" if cuda else "onnxruntime-training-cpu"
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
+    # Both distributions write the same `onnxruntime/` folder: the inference-only one must go first.
+    subprocess.run([sys.executable, "-m", "pip", "uninstall", "-q", "-y", "onnxruntime"], check=False)
+    if subprocess.run([*pip, f"{name}=={ORT_VERSION}"]).returncode != 0:
+        raise SetupError(f"pip could not install {name}=={ORT_VERSION} (it exists for Python 3.11 on x86-64)")
+
+
+def run(*, install: bool = False) -> str:
+    """Every step, each skipped when already done. Returns the smoke run's result line."""
+    try:
+        ext_dir = extensions_dir()
+    except SetupError:
+        if not install:
+            raise
+        import torch
+
+        install_package(torch.cuda.is_available())
+        importlib.invalidate_caches()
+        ext_dir = extensions_dir()
+    changed = patch_sources(ext_dir)
+    _say(f"patched {', '.join(changed)}" if changed else "sources already patched")
+    if changed or not built(ext_dir):
+        _say("building ORT's torch extensions (2-3 minutes on 2 cores)")
+        build(ext_dir)
+    else:
+        _say("extensions already built")
+    line = smoke()
+    _say(f"ORTModule trains with fallback disabled ({line})")
+    return line
+
+
+def reason_if_broken() -> str | None:
+    """Why ORT cannot train here, or None; cheap enough to call before every job."""
+    try:
+        ext_dir = extensions_dir()
+    except SetupError as exc:
+        return str(exc)
+    if not built(ext_dir):
+        return "ORT's torch extensions are not built: run `ortune setup-ort`"
+    return None
+
+
+__all__ = ["ORT_VERSION", "SetupError", "built", "extensions_dir", "patch_sources", "reason_if_broken", "run"]

@@ -1,0 +1,90 @@
+"""ORTTrainer: a `transformers.Trainer` whose training forward and backward run in ONNX Runtime.
+
+What Optimum's ORTTrainer did, through the Trainer's documented hooks only (never a copy of `train()`):
+`_wrap_model` wraps the model with ORTModule for training (before any DDP wrapping, which Trainer's own
+`_wrap_model` adds), and `create_optimizer` adds `adamw_ort_fused` (ORT's CUDA FusedAdam). Evaluation and
+saving use the plain PyTorch module, which shares its parameters with the ORTModule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+
+@dataclass
+class ORTTrainingArguments(TrainingArguments):
+    """TrainingArguments plus the ORT engine's options."""
+
+    use_ort: bool = field(default=False, metadata={"help": "Run training forward/backward in ORTModule."})
+    ort_optim: str | None = field(
+        default=None,
+        metadata={
+            "help": "`adamw_ort_fused` for ORT's FusedAdam (CUDA only); TrainingArguments.optim otherwise."
+        },
+    )
+    ort_log_level: str = field(default="WARNING", metadata={"help": "ORTModule's log level."})
+
+
+def wrap(model: torch.nn.Module, log_level: str = "WARNING") -> torch.nn.Module:
+    """ORTModule(model) with fallback disabled (ort_compat.apply makes that the policy)."""
+    from trainer_core import ort_compat
+
+    ort_compat.apply()
+    from onnxruntime.training.ortmodule import DebugOptions, LogLevel, ORTModule
+
+    options = DebugOptions(log_level=getattr(LogLevel, log_level))
+    return ORTModule(model, debug_options=options)
+
+
+def training_graph_nodes(ort_module: torch.nn.Module) -> int:
+    """Nodes in the ONNX training graph ORT built and ran: the proof that ORT, not PyTorch, trained."""
+    manager = ort_module._torch_module._execution_manager(True)  # type: ignore[operator,union-attr]
+    model = manager._onnx_models.optimized_model
+    if model is None or manager._execution_agent is None:
+        raise RuntimeError("ORTModule holds no training graph: ORT did not run")
+    return len(model.graph.node)
+
+
+class ORTTrainer(Trainer):
+    def __init__(self, *args: Any, ort_module: torch.nn.Module | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ort_module = ort_module
+
+    def _wrap_model(
+        self, model: torch.nn.Module, training: bool = True, dataloader: Any = None
+    ) -> torch.nn.Module:
+        args: ORTTrainingArguments = self.args  # type: ignore[assignment]
+        if not (training and args.use_ort):
+            return super()._wrap_model(model, training, dataloader)
+        if self.ort_module is None:
+            self.ort_module = wrap(model, args.ort_log_level)
+        if model is self.ort_module:
+            return model
+        return super()._wrap_model(self.ort_module, training, dataloader)
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        args: ORTTrainingArguments = self.args  # type: ignore[assignment]
+        if args.ort_optim != "adamw_ort_fused" or self.optimizer is not None:
+            return super().create_optimizer(model)
+        from onnxruntime.training.optim import FusedAdam
+
+        target: torch.nn.Module = model if model is not None else self.model  # type: ignore[assignment]
+        decay = set(self.get_decay_parameter_names(target))
+        groups = [
+            {
+                "params": [p for n, p in target.named_parameters() if n in decay and p.requires_grad],
+                "weight_decay": args.weight_decay,
+            },
+            {
+                "params": [p for n, p in target.named_parameters() if n not in decay and p.requires_grad],
+                "weight_decay": 0.0,
+            },
+        ]
+        self.optimizer = FusedAdam(
+            groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon
+        )
+        return self.optimizer
