@@ -92,7 +92,7 @@ def test_ort_matches_pytorch_losses_and_really_ran(tmp_path: Path) -> None:
     torch_losses, _ = losses_with("torch", tmp_path)
     ort_losses, hf = losses_with("ort", tmp_path)
     assert len(torch_losses) == len(ort_losses) == 6
-    # fp32 on both sides; ORT fuses and reorders reductions (GELU, LayerNorm, softmax, matmul accumulation), so
+    # fp32 on both sides; ORT fuses and reorders reductions (GELU, LayerNorm, softmax, matmul sums), so
     # per-op differences are ~1e-7 relative. Six AdamW steps at lr 1e-3 (normalised updates) keep the drift
     # well under 1e-4 in a loss of ~0.69; a wrong gradient or a skipped step is off by 1e-2 or more.
     assert max(abs(a - b) for a, b in zip(torch_losses, ort_losses, strict=True)) < 1e-4
