@@ -54,10 +54,23 @@ def run(spec: TrainingSpec, events: EventStream) -> None:
     if choice.used == "measure":
         collate = data.Collator(loaded.tokenizer.pad_token_id, spec.task)
         batch = collate(train_set.items[: spec.hyperparameters.batch_size])
-        figures = backends.measure(loaded.model, batch)
-        winner = "ort" if figures["ort_ms"] < figures["torch_ms"] else "torch"
-        ort_module = figures.pop("ort_module") if winner == "ort" else None
-        choice = backends.decided(choice, winner, figures, cuda)
+        try:
+            figures = backends.measure(loaded.model, batch)
+        except Exception as exc:  # ORT could not run this model: auto trains with PyTorch and says why
+            loaded.model.zero_grad(set_to_none=True)
+            problem = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            choice = backends.BackendChoice(
+                "auto",
+                "torch",
+                f"fell back to PyTorch: ORT failed on this model: {problem}",
+                choice.optim,
+                None,
+                choice.optim_note,
+            )
+        else:
+            winner = "ort" if figures["ort_ms"] < figures["torch_ms"] else "torch"
+            ort_module = figures.pop("ort_module") if winner == "ort" else None
+            choice = backends.decided(choice, winner, figures, cuda)
     _report_backend(events, choice)
     hf_trainer = trainer.build(
         spec,

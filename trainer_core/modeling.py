@@ -145,6 +145,9 @@ def load(
             tokenizer.pad_token = tokenizer.eos_token
             model.config.pad_token_id = tokenizer.pad_token_id
         loaded = Loaded(model, tokenizer)
+    # No KV cache while training: it is useless there, and ORTModule cannot flatten a DynamicCache output.
+    if hasattr(loaded.model.config, "use_cache"):
+        loaded.model.config.use_cache = False
     # from_pretrained returns eval mode; training (and ORTModule's training graph) needs train mode.
     loaded.model.train()
     return loaded
