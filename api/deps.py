@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
-from ortune.db.session import session_factory
+from ortune.db.session import session_scope
 from ortune.settings import Settings
 from ortune.storage import ObjectStore
 
@@ -19,15 +19,8 @@ def get_settings(request: Request) -> Settings:
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    session = session_factory(request.app.state.settings.database_url)()
-    try:
+    with session_scope(request.app.state.settings.database_url) as session:
         yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()
 
 
 def get_store(request: Request) -> ObjectStore:

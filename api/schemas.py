@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -23,6 +23,23 @@ class Page(BaseModel, Generic[T]):
     has_more: bool = False
     first_id: str | None = None
     last_id: str | None = None
+
+
+class _HasId(Protocol):
+    id: str
+
+
+H = TypeVar("H", bound=_HasId)
+
+
+def page(data: list[H], has_more: bool) -> Page[H]:
+    """A cursor page with OpenAI's first_id/last_id filled from the data."""
+    return Page(
+        data=data,
+        has_more=has_more,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+    )
 
 
 class FileObject(BaseModel):

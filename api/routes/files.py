@@ -6,7 +6,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from api.deps import SessionDep, SettingsDep, StoreDep
-from api.schemas import FileDeleted, FileObject, Page
+from api.schemas import FileDeleted, FileObject, Page, page
 from api.services import files
 from api.services.uploads import receive
 from ortune.db.repositories import FileRepository
@@ -52,9 +52,7 @@ def list_files(
     """List files, newest first."""
     rows, more = FileRepository(session).list(after=after, limit=limit, purpose=purpose)
     data = [FileObject.of(f) for f in rows]
-    return Page(
-        data=data, has_more=more, first_id=data[0].id if data else None, last_id=data[-1].id if data else None
-    )
+    return page(data, more)
 
 
 @router.get("/{file_id}", response_model=FileObject)

@@ -16,6 +16,7 @@ from api.schemas import (
     MetricsObject,
     Page,
     Series,
+    page,
 )
 from api.services import artifacts, jobs
 from ortune.db.repositories import (
@@ -41,9 +42,7 @@ def list_jobs(session: SessionDep, after: str | None = None, limit: Limit = 20) 
     """List jobs, newest first, in cursor pages."""
     rows, more = JobRepository(session).list(after=after, limit=limit)
     data = [FineTuningJob.of(j) for j in rows]
-    return Page(
-        data=data, has_more=more, first_id=data[0].id if data else None, last_id=data[-1].id if data else None
-    )
+    return page(data, more)
 
 
 @router.get("/{job_id}", response_model=FineTuningJob)
@@ -72,9 +71,7 @@ def list_events(
         cursor = int(raw)
     rows, more = EventRepository(session).list(job_id, after=cursor, limit=limit)
     data = [JobEventObject.of(e) for e in rows]
-    return Page(
-        data=data, has_more=more, first_id=data[0].id if data else None, last_id=data[-1].id if data else None
-    )
+    return page(data, more)
 
 
 @router.get("/{job_id}/checkpoints", response_model=Page[CheckpointObject])
@@ -85,9 +82,7 @@ def list_checkpoints(
     job = jobs.get(session, job_id)
     rows, more = CheckpointRepository(session).list(job_id, after=after, limit=limit)
     data = [CheckpointObject.of(c, job.model) for c in rows]
-    return Page(
-        data=data, has_more=more, first_id=data[0].id if data else None, last_id=data[-1].id if data else None
-    )
+    return page(data, more)
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsObject)
