@@ -26,6 +26,17 @@ class _BrokenTraining(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _BrokenTraining())
 """
 
+FAILING_EXPORT = """
+import functools, torch.onnx
+_export = torch.onnx.export
+@functools.wraps(_export)
+def export(*args, dynamo=None, **kwargs):
+    if not dynamo:  # ORTModule's TorchScript export; our own ONNX artifacts use dynamo and still work
+        raise RuntimeError("simulated: Exporting the operator 'aten::frobnicate' to ONNX is not supported")
+    return _export(*args, dynamo=dynamo, **kwargs)
+torch.onnx.export = export
+"""
+
 
 def rows(n: int) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (DEMO / "sentiment_train.jsonl").read_text().splitlines()[:n]]
@@ -114,10 +125,11 @@ def test_ort_matches_pytorch_losses_and_really_ran(tmp_path: Path) -> None:
     probe = json.loads(result.stdout.strip().splitlines()[-1])
     torch_losses, ort_losses = probe["torch"], probe["ort"]
     assert len(torch_losses) == len(ort_losses) == 6
-    # Most runs agree to ~5e-5 per step (fp32; ORT fuses ops and reorders reductions). Some runs here differ
-    # by up to 1.3e-2 from the first step on, so the two trainings do not always start from the same state
-    # (tokenizer, init or batch order): not found yet, and this bound is loose until it is.
-    assert max(abs(a - b) for a, b in zip(torch_losses, ort_losses, strict=True)) < 5e-2
+    # fp32 on both sides; ORT fuses ops and reorders reductions, so the losses may differ by rounding that
+    # Adam's normalised update carries forward. Measured here: 6e-8 over 6 steps, the same on every run once
+    # the tiny tokenizer was made deterministic (it had made the two trainings start from different vocabs).
+    # 1e-4 is three orders above that and still far below a real divergence (a step's loss moves by ~1e-3).
+    assert max(abs(a - b) for a, b in zip(torch_losses, ort_losses, strict=True)) < 1e-4
     assert ort_losses[-1] != ort_losses[0]  # it trained
     assert probe["module"] == "ORTModule" and probe["nodes"] > 50
     assert probe["policy"] == "FALLBACK_DISABLE"
@@ -162,6 +174,26 @@ def test_broken_ort_fails_backend_ort_and_auto_falls_back(tmp_path: Path) -> Non
     assert any(
         e["type"] == "message" and e["level"] == "warn" and "simulated broken" in e["message"] for e in events
     )
+
+
+def test_a_model_ort_cannot_export_fails_ort_and_auto_falls_back(tmp_path: Path) -> None:
+    """ORT imports fine but cannot take this model: `ort` fails with the exporter's reason, `auto` trains
+    with PyTorch and says why, and the job's own ONNX artifact is still exported."""
+    shadow = tmp_path / "failing"
+    shadow.mkdir()
+    (shadow / "sitecustomize.py").write_text(FAILING_EXPORT)
+    env = {"PYTHONPATH": f"{shadow}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    code, events = launch(spec_for(tmp_path, backend="ort"), tmp_path, env)
+    assert code != 0 and events[-1]["type"] == "error"
+    assert "aten::frobnicate" in events[-1]["message"]
+    (tmp_path / "auto").mkdir()
+    code, events = launch(spec_for(tmp_path / "auto", backend="auto"), tmp_path / "auto", env)
+    assert code == 0, events[-1]
+    backend = next(e for e in events if e["type"] == "backend")
+    assert backend["used"] == "torch"
+    assert "ORT failed on this model" in backend["reason"] and "aten::frobnicate" in backend["reason"]
+    result = events[-1]
+    assert result["type"] == "result" and result["onnx_max_abs_diff"] < 1e-3
 
 
 def test_cuda_only_optimizer_on_cpu_is_substituted_and_said(tmp_path: Path) -> None:

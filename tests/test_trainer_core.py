@@ -215,3 +215,36 @@ def test_registry_loads_a_local_directory(tmp_path: Path) -> None:
     )
     loaded = modeling.load(info, spec, [])
     assert loaded.model.config.num_labels == 3 and loaded.model.training
+
+
+@pytest.mark.parametrize("model", ["tiny-bert", "tiny-gpt2"])
+def test_built_models_are_the_same_for_the_same_seed(model: str) -> None:
+    """Same data and seed, same tokenizer and weights: tokenizers' WordPieceTrainer broke this once."""
+    import torch
+
+    from trainer_core import modeling, registry
+
+    texts = [json.loads(x)["text"] for x in (DEMO / "sentiment_train.jsonl").read_text().splitlines()[:48]]
+    spec = TrainingSpec(
+        job_id="j",
+        task="sequence-classification",
+        model=model,
+        train_file="x",
+        output_dir="o",
+        labels=["negative", "positive"],
+        hyperparameters=Hyperparameters().resolved(48),
+    )
+    builds = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        builds.append(modeling.load(registry.resolve(model), spec, texts))
+    first = builds[0]
+    assert len(first.tokenizer) > 100
+    if model == "tiny-bert":  # whole words the data holds stay whole
+        assert first.tokenizer.tokenize("The new phone") == ["the", "new", "phone"]
+    for other in builds[1:]:
+        assert other.tokenizer.get_vocab() == first.tokenizer.get_vocab()
+        for (name, a), (_, b) in zip(
+            first.model.state_dict().items(), other.model.state_dict().items(), strict=True
+        ):
+            assert torch.equal(a, b), name

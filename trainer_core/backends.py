@@ -7,6 +7,7 @@ reason, when it cannot run. `auto` measures both on the job's own model and firs
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -76,6 +77,15 @@ def _with_optimizer(choice: BackendChoice, optim: str, *, cuda: bool) -> Backend
             optim_note="adamw_ort_fused needs the ORT backend; using adamw_torch_fused",
         )
     return replace(choice, optim="adamw_torch", ort_optim="adamw_ort_fused")
+
+
+def describe(exc: BaseException) -> str:
+    """One line naming a failure. ORTModule wraps the real cause as a traceback inside its own message
+    ("There was an error while exporting ...:" then the text), so name the wrapper and that cause."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    head = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip()
+    cause = next((x for x in reversed(lines[1:]) if re.match(r"^[\w.]+(Error|Exception)\b[^:]*: ", x)), None)
+    return (f"{head} {cause}" if cause else head)[:400]
 
 
 def decided(choice: BackendChoice, used: str, figures: dict[str, Any], cuda: bool) -> BackendChoice:

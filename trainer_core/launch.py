@@ -58,7 +58,7 @@ def run(spec: TrainingSpec, events: EventStream) -> None:
             figures = backends.measure(loaded.model, batch)
         except Exception as exc:  # ORT could not run this model: auto trains with PyTorch and says why
             loaded.model.zero_grad(set_to_none=True)
-            problem = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            problem = backends.describe(exc)
             choice = backends.BackendChoice(
                 "auto",
                 "torch",
@@ -90,7 +90,10 @@ def run(spec: TrainingSpec, events: EventStream) -> None:
     result = hf_trainer.train(resume_from_checkpoint=spec.resume_from)
     final: dict[str, float] = {"train_loss": float(result.training_loss)}
     if valid_set is not None:
-        after = hf_trainer.evaluate()
+        # The Trainer may have evaluated the last step already (eval_every_steps divides max_steps).
+        step = hf_trainer.state.global_step
+        done = [h for h in hf_trainer.state.log_history if "eval_loss" in h and h.get("step") == step]
+        after = done[-1] if done else hf_trainer.evaluate()
         final |= {k: float(v) for k, v in after.items() if k in ("eval_loss", "eval_accuracy")}
 
     if choice.used == "ort":

@@ -26,10 +26,19 @@ def _train_tokenizer(kind: str, texts: Sequence[str]) -> Any:
 
     if kind == "tiny-bert":
         specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=2000, special_tokens=specials))
+        # tokenizers 0.23 learns a different vocabulary on every run (ids and even size) whenever a
+        # continuing-subword prefix is set, WordPieceTrainer included; that broke "same seed, same model".
+        # Plain BpeTrainer is deterministic, so learn its pieces and give WordPiece each piece in both forms,
+        # word-initial and "##"-continuation, in BPE's id order.
+        normalizer = normalizers.BertNormalizer(lowercase=True)
+        pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
+        bpe.normalizer, bpe.pre_tokenizer = normalizer, pre_tokenizer
+        bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1000, special_tokens=specials))
+        pieces = [t for t, _ in sorted(bpe.get_vocab().items(), key=lambda kv: kv[1]) if t not in specials]
+        vocab = {t: i for i, t in enumerate(specials + pieces + [f"##{p}" for p in pieces])}
+        tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+        tok.normalizer, tok.pre_tokenizer = normalizer, pre_tokenizer
         cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
         tok.post_processor = processors.TemplateProcessing(
             single="[CLS] $A [SEP]",
