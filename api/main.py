@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 
 from api import errors
-from api.routes import files, health, jobs, models
+from api.routes import dashboard, files, health, jobs, models
 from ortune import __version__
 from ortune.settings import Settings, get_settings
 from ortune.storage import open_store
@@ -26,8 +27,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         region=settings.s3_region,
     )
     errors.install(app)
-    for module in (files, jobs, models, health):
+    for module in (files, jobs, models, health, dashboard):
         app.include_router(module.router)
+    app.mount("/dashboard/static", StaticFiles(directory=dashboard.STATIC), name="dashboard-static")
     return app
 
 

@@ -1,0 +1,204 @@
+// The ortune dashboard: polls /v1 every couple of seconds; everything it shows comes from the public REST API.
+"use strict";
+
+const POLL_MS = 2000;
+const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
+const CHART_SERIES = ["train_loss", "eval_loss"];
+
+// An API key, once tenants exist, is kept in localStorage under "ortune.api_key" and sent as a bearer token.
+async function api(path) {
+  const key = localStorage.getItem("ortune.api_key");
+  const res = await fetch(path, { headers: key ? { Authorization: `Bearer ${key}` } : {} });
+  if (!res.ok) {
+    let message = `${res.status} ${res.statusText}`;
+    try { message = (await res.json()).error.message; } catch (_) { /* not our error shape */ }
+    throw new Error(`${path}: ${message}`);
+  }
+  return res.json();
+}
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v; else node.setAttribute(k, v);
+  }
+  for (const child of children) node.append(child instanceof Node ? child : String(child ?? ""));
+  return node;
+}
+
+const when = (unix) => (unix ? new Date(unix * 1000).toLocaleString() : "");
+const clock = (unix) => new Date(unix * 1000).toLocaleTimeString();
+const bytes = (n) => {
+  const units = ["B", "KiB", "MiB", "GiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+};
+const statusBadge = (status) => el("span", { class: `status ${status}` }, status.replace(/_/g, " "));
+
+function setProgress(bar, progress) {
+  const total = progress.total_steps || 0;
+  const pct = total ? Math.min(100, (100 * progress.step) / total) : 0;
+  bar.querySelector("div").style.width = `${pct}%`;
+  bar.querySelector("span").textContent = total ? `${progress.step} / ${total}` : `${progress.step}`;
+}
+
+function progressBar(progress) {
+  const bar = el("div", { class: "progress" }, el("div"), el("span"));
+  setProgress(bar, progress);
+  return bar;
+}
+
+function showPollState(error) {
+  const poll = document.getElementById("poll");
+  poll.textContent = error ? `update failed: ${error.message}` : `updated ${new Date().toLocaleTimeString()}`;
+  poll.className = error ? "error" : "muted";
+}
+
+// Poll `tick` until it returns false (the job is finished); a failed poll is shown and retried.
+function poll(tick) {
+  const loop = async () => {
+    let again = true;
+    try { again = await tick(); showPollState(null); } catch (err) { showPollState(err); }
+    if (again) setTimeout(loop, POLL_MS);
+  };
+  loop();
+}
+
+// ---- the job list ------------------------------------------------------------------------------------------
+
+function jobRow(job) {
+  const link = el("a", { href: `/dashboard/jobs/${encodeURIComponent(job.id)}` }, job.id);
+  const backend = job.backend_used ? `${job.backend_used}` : `${job.backend} (requested)`;
+  return el("tr", { "data-job": job.id },
+    el("td", { class: "mono" }, link),
+    el("td", {}, job.model),
+    el("td", {}, statusBadge(job.status)),
+    el("td", { title: job.backend_reason || "" }, backend),
+    el("td", {}, progressBar(job.progress)),
+    el("td", {}, when(job.created_at)));
+}
+
+function listView() {
+  document.getElementById("list-view").hidden = false;
+  const body = document.querySelector("#jobs tbody");
+  const older = document.getElementById("older");
+  let pages = 1;
+  older.onclick = () => { pages += 1; };
+  poll(async () => {
+    const rows = [];
+    let after = null, more = false;
+    for (let i = 0; i < pages; i++) {
+      const page = await api(`/v1/fine_tuning/jobs?limit=50${after ? `&after=${encodeURIComponent(after)}` : ""}`);
+      rows.push(...page.data);
+      more = page.has_more;
+      if (!more || !page.data.length) break;
+      after = page.data[page.data.length - 1].id;
+    }
+    body.replaceChildren(...rows.map(jobRow));
+    document.getElementById("jobs-empty").hidden = rows.length > 0;
+    older.hidden = !more;
+    return true;
+  });
+}
+
+// ---- one job -------------------------------------------------------------------------------------------------
+
+function lossChart(target) {
+  const opts = {
+    width: Math.max(320, target.clientWidth || 900),
+    height: 280,
+    scales: { x: { time: false } },
+    axes: [{ label: "step" }, { label: "loss" }],
+    series: [
+      { label: "step" },
+      { label: "train loss", stroke: "#2f6fde", width: 1.5, spanGaps: true },
+      { label: "eval loss", stroke: "#d9822b", width: 2, spanGaps: true, points: { show: true, size: 6 } },
+    ],
+  };
+  const chart = new uPlot(opts, [[], [], []], target);
+  window.addEventListener("resize", () => chart.setSize({ width: target.clientWidth || 900, height: 280 }));
+  return chart;
+}
+
+function renderFacts(job) {
+  const facts = [
+    ["Status", statusBadge(job.status)],
+    ["Model", job.model],
+    ["Task", job.task],
+    ["Backend", job.backend_used ? `${job.backend_used} (asked: ${job.backend})` : `${job.backend} (not started)`],
+    ["Why", job.backend_reason],
+    ["Optimizer / precision", `${job.optim} / ${job.precision}`],
+    ["Attempt", job.attempt],
+    ["Created", when(job.created_at)],
+    ["Finished", when(job.finished_at)],
+    ["Fine-tuned model", job.fine_tuned_model],
+  ];
+  const dl = document.getElementById("job-facts");
+  const shown = facts.filter(([, v]) => v !== null && v !== undefined && v !== "");
+  dl.replaceChildren(...shown.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
+  setProgress(document.getElementById("job-progress"), job.progress);
+  const error = document.getElementById("job-error");
+  error.hidden = !job.error;
+  error.textContent = job.error ? `${job.error.code}: ${job.error.message}` : "";
+}
+
+function renderChart(chart, metrics) {
+  const series = CHART_SERIES.map((name) => metrics.data[name] || { steps: [], values: [] });
+  const data = uPlot.join(series.map((s) => [s.steps, s.values]));
+  while (data.length < CHART_SERIES.length + 1) data.push([]);
+  chart.setData(data);
+  const points = series.reduce((n, s) => n + s.steps.length, 0);
+  const target = document.getElementById("chart");
+  target.dataset.points = String(points);
+  document.getElementById("chart-empty").hidden = points > 0;
+}
+
+function renderEvents(events) {
+  const items = events.data.map((e) =>
+    el("li", { class: e.level }, el("time", { datetime: new Date(e.created_at * 1000).toISOString() }, clock(e.created_at)),
+      el("span", {}, e.message)));
+  document.getElementById("events").replaceChildren(...items);
+}
+
+function renderCheckpoints(checkpoints) {
+  const rows = checkpoints.data.map((c) => el("tr", {},
+    el("td", {}, c.step_number),
+    el("td", {}, c.metrics.loss ?? c.metrics.train_loss ?? ""),
+    el("td", {}, bytes(c.bytes)),
+    el("td", { class: "mono", title: c.sha256 }, c.sha256.slice(0, 16))));
+  document.querySelector("#checkpoints tbody").replaceChildren(...rows);
+}
+
+function renderDownloads(artifacts) {
+  if (!artifacts.length) return;
+  const items = artifacts.map((a) => el("li", {},
+    el("a", { href: a.url, download: "", "data-format": a.format }, `Download ${a.format === "onnx" ? "ONNX" : "PyTorch"}`),
+    el("span", { class: "muted" }, ` ${bytes(a.bytes)}, sha256 `),
+    el("code", { title: a.sha256 }, a.sha256.slice(0, 16))));
+  document.getElementById("downloads").replaceChildren(...items);
+}
+
+function jobView(jobId) {
+  document.getElementById("job-view").hidden = false;
+  document.getElementById("job-title").textContent = jobId;
+  document.title = `${jobId} · ortune`;
+  const chart = lossChart(document.getElementById("chart"));
+  const base = `/v1/fine_tuning/jobs/${encodeURIComponent(jobId)}`;
+  const names = CHART_SERIES.map((n) => `name=${n}`).join("&");
+  poll(async () => {
+    const [job, metrics, events, checkpoints] = await Promise.all([
+      api(base), api(`${base}/metrics?${names}&max_points=1000`), api(`${base}/events?limit=100`),
+      api(`${base}/checkpoints?limit=20`),
+    ]);
+    renderFacts(job);
+    renderChart(chart, metrics);
+    renderEvents(events);
+    renderCheckpoints(checkpoints);
+    if (job.status === "succeeded") renderDownloads(await api(`${base}/artifacts`));
+    return !TERMINAL.has(job.status);
+  });
+}
+
+const match = location.pathname.match(/^\/dashboard\/jobs\/([^/]+)\/?$/);
+if (match) jobView(decodeURIComponent(match[1])); else listView();
