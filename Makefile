@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install setup-ort demo test lint typecheck pytest bench up clean
+.PHONY: system-deps install setup-ort demo test lint typecheck pytest bench up clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -19,6 +19,12 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# Debian packages the tests and benches use: chromium (the dashboard's browser test) and wrk (bench/api_load).
+system-deps:
+	@command -v chromium >/dev/null && command -v wrk >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium wrk; }
 
 setup-ort: $(STAMP)
 	$(BIN)/ortune setup-ort

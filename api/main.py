@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
+from prometheus_client import CollectorRegistry
 
 from api import errors
+from api.observability import JobCollector, RequestMetrics
 from api.routes import dashboard, files, health, jobs, models
 from ortune import __version__
 from ortune.settings import Settings, get_settings
@@ -26,6 +28,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         secret_key=settings.s3_secret_key,
         region=settings.s3_region,
     )
+    app.state.metrics = CollectorRegistry()
+    app.state.metrics.register(JobCollector(settings.database_url))
+    app.add_middleware(RequestMetrics, registry=app.state.metrics)
     errors.install(app)
     for module in (files, jobs, models, health, dashboard):
         app.include_router(module.router)

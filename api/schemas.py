@@ -8,6 +8,7 @@ from typing import Annotated, Any, Generic, Literal, Protocol, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ortune.db.models import Artifact, Checkpoint, File, Job, JobEvent
+from ortune.search import HyperparameterSearch
 from trainer_core.spec import Backend, Distributed, Hyperparameters, Optim, Precision, Task
 
 T = TypeVar("T")
@@ -108,6 +109,7 @@ class JobCreate(BaseModel):
     checkpoint_every_steps: Annotated[int, Field(ge=1)] | None = None
     priority: Annotated[int, Field(ge=-100, le=100)] = 0
     distributed: Distributed | None = None
+    hyperparameter_search: HyperparameterSearch | None = None
 
     @field_validator("metadata")
     @classmethod
@@ -166,6 +168,8 @@ class FineTuningJob(BaseModel):
     progress: Progress
     result: dict[str, Any] | None
     started_at: int | None
+    hyperparameter_search: dict[str, Any] | None = None
+    parent_job_id: str | None = None
 
     @classmethod
     def of(cls, job: Job) -> FineTuningJob:
@@ -198,6 +202,8 @@ class FineTuningJob(BaseModel):
             progress=Progress(step=job.step, total_steps=job.total_steps),
             result=job.result,
             started_at=ts(job.started_at),
+            hyperparameter_search=job.spec.get("hyperparameter_search"),
+            parent_job_id=job.parent_id,
         )
 
 

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from ortune.settings import Settings, get_settings
 
 RUN_JOB = "ortune.run_job"
+ADVANCE_SEARCH = "ortune.advance_search"
 log = logging.getLogger(__name__)
 
 
@@ -42,6 +43,12 @@ def celery_app(broker_url: str | None = None, queue: str | None = None) -> Celer
 
 def enqueue_job(settings: Settings, job_id: str) -> None:
     celery_app(settings.broker_url, settings.queue).send_task(RUN_JOB, args=[job_id], queue=settings.queue)
+
+
+def enqueue_search(settings: Settings, job_id: str) -> None:
+    """Ask the search task to look at a search job again (it started, or one of its trials finished)."""
+    app = celery_app(settings.broker_url, settings.queue)
+    app.send_task(ADVANCE_SEARCH, args=[job_id], queue=settings.queue)
 
 
 def ping_broker(settings: Settings) -> None:

@@ -26,6 +26,7 @@ from ortune.db.base import new_id, utcnow
 from ortune.db.models import Artifact, Checkpoint, File, Job, JobStatus
 from ortune.db.repositories import ArtifactRepository, CheckpointRepository, EventRepository, JobRepository
 from ortune.db.session import session_scope
+from ortune.queue import enqueue_search, on_commit
 from ortune.settings import Settings
 from ortune.storage import ObjectStore, open_store, sha256_file
 from trainer_core import registry, rows
@@ -289,6 +290,9 @@ def _finish(settings: Settings, job: Job, outcome: Outcome) -> None:
                 events.add(job.id, f"The job failed: {(outcome.error or {}).get('message')}", level="error")
         else:
             events.add(job.id, "Training stopped after the job was cancelled")
+        if job.parent_id is not None:
+            parent = job.parent_id
+            on_commit(session, lambda: enqueue_search(settings, parent))
 
 
 def run(settings: Settings, job_id: str) -> str:

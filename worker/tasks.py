@@ -6,9 +6,9 @@ import logging
 
 from celery import shared_task
 
-from ortune.queue import RUN_JOB
+from ortune.queue import ADVANCE_SEARCH, RUN_JOB
 from ortune.settings import get_settings
-from worker import runner
+from worker import runner, search
 
 log = logging.getLogger(__name__)
 
@@ -17,3 +17,9 @@ log = logging.getLogger(__name__)
 def run_job(job_id: str) -> None:
     outcome = runner.run(get_settings(), job_id)
     log.info("job %s: %s", job_id, outcome)
+
+
+@shared_task(name=ADVANCE_SEARCH, acks_late=True, ignore_result=True)
+def advance_search(job_id: str) -> None:
+    outcome = search.advance(get_settings(), job_id)
+    log.info("search %s: %s", job_id, outcome)

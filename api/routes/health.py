@@ -5,7 +5,8 @@ import os
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from api.deps import SettingsDep
@@ -47,3 +48,9 @@ async def readyz(request: Request, settings: SettingsDep) -> JSONResponse:
         status_code=200 if ok else 503,
         headers=None if ok else {"Retry-After": "5"},
     )
+
+
+@router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+def metrics(request: Request) -> Response:
+    """Prometheus exposition: request rates and latencies, queue depth, jobs by status, samples/s."""
+    return Response(generate_latest(request.app.state.metrics), media_type=CONTENT_TYPE_LATEST)

@@ -52,9 +52,16 @@ def retrieve_job(job_id: str, session: SessionDep) -> FineTuningJob:
 
 
 @router.post("/{job_id}/cancel", response_model=FineTuningJob)
-def cancel_job(job_id: str, session: SessionDep) -> FineTuningJob:
-    """Cancel a job that has not finished; a running one stops within seconds."""
-    return FineTuningJob.of(jobs.cancel(session, job_id))
+def cancel_job(job_id: str, session: SessionDep, settings: SettingsDep) -> FineTuningJob:
+    """Cancel a job that has not finished; a running one stops within seconds, a search with its trials."""
+    return FineTuningJob.of(jobs.cancel(session, settings, job_id))
+
+
+@router.get("/{job_id}/trials", response_model=Page[FineTuningJob])
+def list_trials(job_id: str, session: SessionDep) -> Page[FineTuningJob]:
+    """A hyperparameter search's trials (child jobs), oldest first."""
+    jobs.get(session, job_id)
+    return page([FineTuningJob.of(j) for j in JobRepository(session).children(job_id)], False)
 
 
 @router.get("/{job_id}/events", response_model=Page[JobEventObject])

@@ -9,10 +9,11 @@ from sqlalchemy.orm import Session
 
 from api.errors import APIError, Conflict, NotFound
 from api.schemas import JobCreate
+from ortune import search
 from ortune.db.base import new_id, utcnow
 from ortune.db.models import File, FileStatus, Job, JobStatus
 from ortune.db.repositories import EventRepository, FileRepository, JobRepository
-from ortune.queue import enqueue_job, on_commit
+from ortune.queue import enqueue_job, enqueue_search, on_commit
 from ortune.settings import Settings
 from trainer_core import registry, rows
 from trainer_core.spec import Distributed
@@ -89,25 +90,18 @@ def create(session: Session, settings: Settings, req: JobCreate) -> Job:
             code="unsupported",
         )
 
-    resolved = hp.resolved(train.row_count)
     spec: dict[str, Any] = {
         "task": task,
         "labels": labels,
-        "hyperparameters": hp.model_dump(mode="json"),
-        "resolved_hyperparameters": resolved.model_dump(mode="json"),
         "backend": req.backend,
         "optim": req.optim,
         "precision": req.precision,
         "checkpoint_every_steps": req.checkpoint_every_steps,
         "distributed": (dist or Distributed()).model_dump(mode="json"),
     }
-    spec["hyperparameters"].update(
-        {
-            "n_epochs": resolved.n_epochs,
-            "batch_size": resolved.batch_size,
-            "learning_rate_multiplier": hp.learning_rate_multiplier,
-        }
-    )
+    spec = search.with_hyperparameters(spec, hp, train.row_count)
+    if req.hyperparameter_search is not None:
+        spec["hyperparameter_search"] = _checked_search(req.hyperparameter_search, valid is not None)
     job = Job(
         id=new_id("ftjob"),
         model=model.id,
@@ -124,8 +118,21 @@ def create(session: Session, settings: Settings, req: JobCreate) -> Job:
     )
     JobRepository(session).add(job)
     EventRepository(session).add(job.id, f"Created fine-tuning job {job.id}: {task} on {model.id}")
-    on_commit(session, lambda: enqueue_job(settings, job.id))
+    if req.hyperparameter_search is None:
+        on_commit(session, lambda: enqueue_job(settings, job.id))
+    else:
+        on_commit(session, lambda: enqueue_search(settings, job.id))
     return job
+
+
+def _checked_search(hs: search.HyperparameterSearch, has_validation: bool) -> dict[str, Any]:
+    if hs.metric.startswith("eval_") and not has_validation:
+        raise APIError(
+            f"metric {hs.metric} needs a validation_file; without one, search on train_loss",
+            param="hyperparameter_search.metric",
+            code="invalid_search",
+        )
+    return hs.model_dump(mode="json")
 
 
 def get(session: Session, job_id: str) -> Job:
@@ -137,7 +144,7 @@ def get(session: Session, job_id: str) -> Job:
     return job
 
 
-def cancel(session: Session, job_id: str) -> Job:
+def cancel(session: Session, settings: Settings, job_id: str) -> Job:
     job = get(session, job_id)
     repo = JobRepository(session)
     if not repo.transition(job_id, JobStatus.cancelled, only_from=CANCELLABLE, finished_at=utcnow()):
@@ -148,5 +155,11 @@ def cancel(session: Session, job_id: str) -> Job:
             code="job_not_cancellable",
         )
     EventRepository(session).add(job_id, "Job cancelled by request")
+    for trial in repo.children(job_id):  # a search's trials go with it
+        if repo.transition(trial.id, JobStatus.cancelled, only_from=CANCELLABLE, finished_at=utcnow()):
+            EventRepository(session).add(trial.id, f"Job cancelled with its search {job_id}")
+    if job.parent_id is not None:  # the search moves on to its next trial
+        parent = job.parent_id
+        on_commit(session, lambda: enqueue_search(settings, parent))
     session.refresh(job)
     return job

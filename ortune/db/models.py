@@ -64,7 +64,11 @@ class File(Base):
 
 class Job(Base):
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_created_at_id", "created_at", "id"), Index("ix_jobs_status", "status"))
+    __table_args__ = (
+        Index("ix_jobs_created_at_id", "created_at", "id"),
+        Index("ix_jobs_status", "status"),
+        Index("ix_jobs_parent_id", "parent_id"),
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     model: Mapped[str] = mapped_column(String(255))
@@ -91,6 +95,8 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # A hyperparameter search's trials are jobs whose parent is the search job.
+    parent_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
 
 
 class JobEvent(Base):

@@ -99,6 +99,15 @@ class JobRepository:
     def status(self, job_id: str) -> JobStatus | None:
         return self.session.scalar(select(Job.status).where(Job.id == job_id))
 
+    def children(self, parent_id: str) -> Sequence[Job]:
+        """A search's trials, oldest first."""
+        stmt = select(Job).where(Job.parent_id == parent_id).order_by(Job.created_at, Job.id)
+        return self.session.scalars(stmt).all()
+
+    def count_by_status(self) -> dict[JobStatus, int]:
+        stmt = select(Job.status, func.count()).group_by(Job.status)
+        return {status: n for status, n in self.session.execute(stmt)}
+
     def fine_tuned_models(self) -> Sequence[tuple[str, datetime]]:
         stmt = select(Job.fine_tuned_model, Job.finished_at).where(
             Job.status == JobStatus.succeeded, Job.fine_tuned_model.is_not(None)
@@ -148,6 +157,20 @@ class EventRepository:
 class MetricRepository:
     def __init__(self, session: Session) -> None:
         self.session = session
+
+    def latest_of_running(self, name: str) -> dict[str, float]:
+        """The last value of series `name` for each running job (one index lookup per job)."""
+        last = (
+            select(JobMetric.job_id, func.max(JobMetric.step).label("step"))
+            .join(Job, Job.id == JobMetric.job_id)
+            .where(Job.status == JobStatus.running, JobMetric.name == name)
+            .group_by(JobMetric.job_id)
+            .subquery()
+        )
+        stmt = select(JobMetric.job_id, JobMetric.value).join(
+            last, and_(JobMetric.job_id == last.c.job_id, JobMetric.step == last.c.step)
+        )
+        return {job_id: value for job_id, value in self.session.execute(stmt.where(JobMetric.name == name))}
 
     def add_many(self, job_id: str, points: Sequence[tuple[str, int, float]]) -> None:
         """Upsert points in one statement: a step that is re-run (after a resume) replaces its value."""
@@ -216,6 +239,21 @@ class ArtifactRepository:
         return self.session.scalars(
             select(Artifact).where(Artifact.job_id == job_id, Artifact.format == fmt)
         ).first()
+
+    def link(self, source_job_id: str, job_id: str) -> None:
+        """Give `job_id` the artifacts of another job: new rows, the same stored objects (no copy)."""
+        for a in self.for_job(source_job_id):
+            self.session.add(
+                Artifact(
+                    job_id=job_id,
+                    format=a.format,
+                    object_key=a.object_key,
+                    bytes=a.bytes,
+                    sha256=a.sha256,
+                    manifest=a.manifest | {"trial_job_id": source_job_id},
+                )
+            )
+        self.session.flush()
 
     def for_job(self, job_id: str) -> list[Artifact]:
         return list(self.session.scalars(select(Artifact).where(Artifact.job_id == job_id)))
