@@ -170,6 +170,7 @@ class FineTuningJob(BaseModel):
     started_at: int | None
     hyperparameter_search: dict[str, Any] | None = None
     parent_job_id: str | None = None
+    search_params: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, job: Job) -> FineTuningJob:
@@ -204,6 +205,7 @@ class FineTuningJob(BaseModel):
             started_at=ts(job.started_at),
             hyperparameter_search=job.spec.get("hyperparameter_search"),
             parent_job_id=job.parent_id,
+            search_params=job.spec.get("search_params"),
         )
 
 

@@ -106,3 +106,38 @@ def test_dashboard_lists_the_job_draws_its_curve_and_downloads(tmp_path: Path, b
         )
         assert saved.stat().st_size == artifact["bytes"]
     assert errors == []
+
+
+def test_dashboard_shows_a_search_with_its_best_trial(tmp_path: Path, browser_page: object) -> None:
+    from playwright.sync_api import Page, expect
+
+    page = browser_page
+    assert isinstance(page, Page)
+    settings = embedded_settings(tmp_path)
+    upgrade(settings.database_url)
+    with embedded.start(settings, log_dir=tmp_path / "logs"):
+        client = Client(settings.api_url)
+        train = client.upload(DEMO / "sentiment_train.jsonl")
+        job = client.create_job(
+            model="tiny-bert",
+            training_file=train["id"],
+            backend="torch",
+            hyperparameters={"max_steps": 3, "batch_size": 8, "max_seq_length": 32},
+            hyperparameter_search={
+                "n_trials": 2,
+                "metric": "train_loss",
+                "space": {"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
+            },
+        )
+        page.goto(f"{settings.api_url}/dashboard/jobs/{job['id']}")
+        done = wait_for(client, job["id"], {"succeeded", "failed", "cancelled"})
+        assert done["status"] == "succeeded", done["error"]
+        best = page.locator("#trials tr.best")
+        expect(best).to_have_count(1, timeout=15_000)
+        expect(best.locator("a")).to_have_text(done["result"]["best_job_id"])
+        expect(page.locator("#trials tbody tr")).to_have_count(2)
+        expect(page.locator("#trials-metric")).to_have_text("train_loss (minimize)")
+        expect(best).to_contain_text("learning_rate=")
+        expect(page.locator('a[data-format="pytorch"]')).to_be_visible()
+        expect(page.locator("#training-section")).to_be_hidden()
+        page.screenshot(path=str(tmp_path / "search.png"), full_page=True)

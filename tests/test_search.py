@@ -78,6 +78,7 @@ def test_search_runs_trials_as_jobs_and_keeps_the_best(service: Client, tmp_path
     rates = [t["hyperparameters"]["learning_rate_multiplier"] for t in trials]
     assert rates == ["auto"] * 3  # the search varies learning_rate itself, shown in the result
     params = [r["params"]["learning_rate"] for r in done["result"]["trials"]]
+    assert params == [t["search_params"]["learning_rate"] for t in trials]
     assert len(set(params)) == 3 and all(1e-4 <= p <= 3e-2 for p in params)
     losses = {t["id"]: t["result"]["metrics"]["eval_loss"] for t in trials}
     best = min(losses, key=lambda k: losses[k])

@@ -34,6 +34,10 @@ def _trial(job: Job, metric: str) -> search.Trial:
     )
 
 
+def _shown(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+
+
 def _start_trial(session: Session, settings: Settings, parent: Job, params: dict[str, Any], n: int) -> Job:
     train = session.get(File, parent.training_file_id)
     assert train is not None
@@ -55,7 +59,7 @@ def _start_trial(session: Session, settings: Settings, parent: Job, params: dict
         parent_id=parent.id,
     )
     JobRepository(session).add(child)
-    shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+    shown = _shown(params)
     EventRepository(session).add(child.id, f"Trial {n} of search {parent.id}: {shown}")
     EventRepository(session).add(parent.id, f"Started trial {n} as {child.id}: {shown}")
     on_commit(session, lambda: enqueue_job(settings, child.id))
@@ -106,7 +110,7 @@ def _finish(
         events.add(
             parent.id,
             f"The search has completed: best trial {winner.job_id} with {hs.metric}={winner.value:.4g} "
-            f"({', '.join(f'{k}={v}' for k, v in winner.params.items())})",
+            f"({_shown(winner.params)})",
         )
     return "succeeded"
 

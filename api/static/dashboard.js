@@ -179,6 +179,27 @@ function renderDownloads(artifacts) {
   document.getElementById("downloads").replaceChildren(...items);
 }
 
+function renderTrials(job, trials) {
+  // A search does not train itself: its trials do, and each has its own page with its curve.
+  const search = job.hyperparameter_search;
+  document.getElementById("trials-section").hidden = !search;
+  document.getElementById("training-section").hidden = !!search;
+  document.getElementById("checkpoints-section").hidden = !!search;
+  if (!search) return;
+  const best = job.result && job.result.best_job_id;
+  document.getElementById("trials-metric").textContent = `${search.metric} (${search.direction})`;
+  const rows = trials.data.map((t) => {
+    const shown = Object.entries(t.search_params || {}).map(([k, v]) => `${k}=${typeof v === "number" ? v.toPrecision(3) : v}`);
+    const value = t.result?.metrics?.[search.metric];
+    return el("tr", { class: t.id === best ? "best" : "" },
+      el("td", { class: "mono" }, el("a", { href: `/dashboard/jobs/${encodeURIComponent(t.id)}` }, t.id)),
+      el("td", { class: "mono" }, shown.join(", ")),
+      el("td", {}, statusBadge(t.status)),
+      el("td", {}, value === undefined ? "" : value.toPrecision(4)));
+  });
+  document.querySelector("#trials tbody").replaceChildren(...rows);
+}
+
 function jobView(jobId) {
   document.getElementById("job-view").hidden = false;
   document.getElementById("job-title").textContent = jobId;
@@ -195,6 +216,7 @@ function jobView(jobId) {
     renderChart(chart, metrics);
     renderEvents(events);
     renderCheckpoints(checkpoints);
+    renderTrials(job, job.hyperparameter_search ? await api(`${base}/trials`) : { data: [] });
     if (job.status === "succeeded") renderDownloads(await api(`${base}/artifacts`));
     return !TERMINAL.has(job.status);
   });
