@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import Annotated, Any
 
+import httpx
 import typer
 import yaml
 from rich.console import Console
@@ -211,7 +212,21 @@ def demo(keep: Annotated[bool, typer.Option(help="leave the service running afte
 
 
 def main() -> None:
-    app()
+    """The console script: an API error or an unreachable server is one red line and exit 1."""
+    try:
+        app()
+    except APIError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise SystemExit(1) from None
+    except httpx.TransportError as exc:
+        try:
+            url = str(exc.request.url)
+        except RuntimeError:  # raised before a request was built
+            url = get_settings().api_url
+        console.print(
+            f"[red]cannot reach the ortune API ({url}): {exc}[/]; is it running? (--api, ORTUNE_API_URL)"
+        )
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":
