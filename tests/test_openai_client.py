@@ -50,3 +50,12 @@ def test_openai_client_runs_a_job(service: Client, tmp_path: Path) -> None:
     with pytest.raises(openai.ConflictError):
         client.fine_tuning.jobs.cancel(job.id)
     assert any(m.id == job.fine_tuned_model for m in client.models.list())
+    long = client.fine_tuning.jobs.create(
+        model="tiny-bert",
+        training_file=file.id,
+        extra_body={"backend": "torch"},
+        hyperparameters={"n_epochs": 50},
+    )
+    cancelled = client.fine_tuning.jobs.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.id == long.id
+    assert client.fine_tuning.jobs.retrieve(long.id).status == "cancelled"
