@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio.to_thread
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry
@@ -16,7 +20,14 @@ from ortune.storage import open_store
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
+        yield
+
     app = FastAPI(
+        lifespan=lifespan,
         title="ortune",
         version=__version__,
         description="Managed fine-tuning jobs in OpenAI's REST shapes, trained with ONNX Runtime.",

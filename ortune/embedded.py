@@ -66,6 +66,7 @@ def api_command(settings: Settings) -> list[str]:
         str(settings.api_port),
         "--log-level",
         "info",
+        *([] if settings.api_access_log else ["--no-access-log"]),
     ]
 
 

@@ -44,9 +44,11 @@ def run(spec: TrainingSpec, events: EventStream) -> None:
     # ORT's gradient builder cannot take SDPA attention, so a model that may run in ORT loads eager attention.
     attention = "sdpa" if choice.used == "torch" else "eager"
     loaded = modeling.load(info, spec, data.texts_of(train_rows), attn_implementation=attention)
+    load_s = time.perf_counter() - t0
     events.message(
         f"loaded {spec.model} ({sum(p.numel() for p in loaded.model.parameters()):,} parameters) "
-        f"in {time.perf_counter() - t0:.1f}s"
+        f"in {load_s:.1f}s",
+        load_s=round(load_s, 3),
     )
     train_set = data.encode(train_rows, loaded.tokenizer, spec)
     valid_set = data.encode(valid_rows, loaded.tokenizer, spec) if valid_rows else None
