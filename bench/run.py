@@ -6,7 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ["bench.train_backends"]
+BENCHMARKS = [
+    "bench.train_backends",
+    "bench.service_overhead",
+    "bench.api_load",
+    "bench.artifact_io",
+    "bench.metrics_ingest",
+]
 
 
 def main() -> int:

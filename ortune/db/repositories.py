@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy import and_, delete, func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -141,9 +141,9 @@ class EventRepository:
         )
 
     def add_many(self, rows: Sequence[dict[str, Any]]) -> None:
+        """One multi-row INSERT (Core, not the ORM unit of work: 5x the rate, bench/metrics_ingest)."""
         if rows:
-            self.session.add_all(JobEvent(**row) for row in rows)
-            self.session.flush()
+            self.session.execute(insert(JobEvent), list(rows))
 
     def list(self, job_id: str, *, after: int | None, limit: int) -> tuple[list[JobEvent], bool]:
         """Newest first, as OpenAI lists events; `after` is the id of the last event already seen."""
@@ -180,12 +180,14 @@ class MetricRepository:
         rows = [{"job_id": job_id, "name": n, "step": s, "value": v} for (n, s), v in latest.items()]
         dialect = self.session.get_bind().dialect.name
         insert_fn: Any = {"postgresql": pg_insert, "sqlite": sqlite_insert}[dialect]
-        for i in range(0, len(rows), 2000):  # stay under the backends' bound-parameter limits
-            stmt = insert_fn(JobMetric).values(rows[i : i + 2000])
-            stmt = stmt.on_conflict_do_update(
-                index_elements=["job_id", "name", "step"], set_={"value": stmt.excluded.value}
-            )
-            self.session.execute(stmt)
+        stmt = insert_fn(JobMetric)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["job_id", "name", "step"], set_={"value": stmt.excluded.value}
+        )
+        # Parameters apart from the statement: it is compiled once and cached, and SQLAlchemy sends the rows
+        # as multi-row VALUES pages. Rendering the rows into the statement cost 2 ms a flush of 1,000 points
+        # in SQL compilation alone (bench/metrics_ingest).
+        self.session.execute(stmt, rows)
         self.session.flush()
 
     def series(self, job_id: str, names: Sequence[str] | None = None) -> dict[str, list[tuple[int, float]]]:
