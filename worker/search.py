@@ -6,7 +6,6 @@ for the whole step, so two workers advancing the same search at once cannot both
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -19,9 +18,6 @@ from ortune.db.session import session_scope
 from ortune.queue import enqueue_job, on_commit
 from ortune.settings import Settings
 from trainer_core.spec import Hyperparameters
-
-log = logging.getLogger(__name__)
-TERMINAL = {JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled}
 
 
 def _trial(job: Job, metric: str) -> search.Trial:
@@ -119,7 +115,7 @@ def advance(settings: Settings, parent_id: str) -> str:
     with session_scope(settings.database_url) as session:
         jobs = JobRepository(session)
         parent = jobs.get(parent_id, for_update=True)
-        if parent is None or parent.status in TERMINAL or parent.status == JobStatus.paused:
+        if parent is None or parent.status.terminal or parent.status == JobStatus.paused:
             return f"nothing to do ({parent.status if parent else 'no such job'})"
         hs = search.HyperparameterSearch(**parent.spec["hyperparameter_search"])
         if parent.status == JobStatus.queued:
@@ -131,13 +127,13 @@ def advance(settings: Settings, parent_id: str) -> str:
             )
         children = jobs.children(parent.id)
         trials = [_trial(c, hs.metric) for c in children]
-        active = sum(1 for c in children if c.status not in TERMINAL)
+        active = sum(1 for c in children if not c.status.terminal)
         started = 0
         while len(children) + started < hs.n_trials and active + started < hs.parallelism:
             params = search.suggest(hs, parent.seed, trials)
             _start_trial(session, settings, parent, params, len(children) + started + 1)
             started += 1
-        jobs.update(parent.id, step=sum(1 for c in children if c.status in TERMINAL), total_steps=hs.n_trials)
+        jobs.update(parent.id, step=sum(1 for c in children if c.status.terminal), total_steps=hs.n_trials)
         if started or active:
             return f"{active + started} trial(s) running, {len(children) + started}/{hs.n_trials} started"
         return _finish(session, parent, hs, trials)
