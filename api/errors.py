@@ -8,8 +8,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 
 class APIError(Exception):
@@ -31,6 +33,24 @@ class APIError(Exception):
         self.headers = headers
         if code:
             self.code = code
+
+
+class Unauthorized(APIError):
+    status_code = 401
+    code = "invalid_api_key"
+
+    def __init__(self, message: str, **kw: object) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"}, **kw)  # type: ignore[arg-type]
+
+
+class Forbidden(APIError):
+    status_code = 403
+    code = "forbidden"
+
+
+class TooManyRequests(APIError):
+    status_code = 429
+    code = "rate_limit_exceeded"
 
 
 class NotFound(APIError):
@@ -59,6 +79,36 @@ class Unavailable(APIError):
     type = "server_error"
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape; every 4xx and 5xx of this API has it."""
+
+    error: ErrorDetail
+
+
+_WHY = {
+    400: "The request is invalid (the error names the field)",
+    401: "No API key, or one that is not valid",
+    403: "An admin key is needed",
+    404: "No such resource (for this tenant)",
+    409: "The resource is in a state that does not allow this",
+    413: "The upload is over the size limit",
+    416: "The range cannot be satisfied",
+    422: "The body or a parameter does not match the schema (the error names the field)",
+    429: "Over a quota",
+    503: "The database is unavailable; retry after Retry-After",
+}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": why} for code, why in _WHY.items()
+}
+
+
 def body(
     message: str, *, code: str, type: str = "invalid_request_error", param: str | None = None
 ) -> dict[str, Any]:
@@ -75,6 +125,15 @@ def _loc(loc: tuple[Any, ...]) -> str:
     """`hyperparameters.n_epochs`, without pydantic's union-member tags or the request-part prefix."""
     parts = [str(p) for p in loc if p not in ("body", "query", "path", "header", "form")]
     return ".".join(p for p in parts if not _UNION_MEMBER.match(p))
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        if match != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 def install(app: FastAPI) -> None:
@@ -109,13 +168,16 @@ def install(app: FastAPI) -> None:
         )
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse(
-            body(str(exc.detail), code=code),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
-        )
+        headers = dict(getattr(exc, "headers", None) or {})
+        message = str(exc.detail)
+        if exc.status_code == 405:
+            # Starlette's Allow names the methods of the first route on the path only; name them all.
+            allowed = _allowed_methods(request)
+            headers["Allow"] = ", ".join(allowed)
+            message = f"{request.method} is not allowed on {request.url.path}; use {', '.join(allowed)}"
+        return JSONResponse(body(message, code=code), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(OperationalError)
     async def _db_down(_: Request, exc: OperationalError) -> JSONResponse:

@@ -11,8 +11,9 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry
 
 from api import errors
+from api.auth import KeyCache
 from api.observability import JobCollector, RequestMetrics
-from api.routes import dashboard, files, health, jobs, models
+from api.routes import admin, dashboard, files, health, jobs, models
 from ortune import __version__
 from ortune.settings import Settings, get_settings
 from ortune.storage import open_store
@@ -39,11 +40,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         secret_key=settings.s3_secret_key,
         region=settings.s3_region,
     )
+    app.state.key_cache = KeyCache(settings.api_key_cache_seconds)
     app.state.metrics = CollectorRegistry()
     app.state.metrics.register(JobCollector(settings.database_url))
     app.add_middleware(RequestMetrics, registry=app.state.metrics)
     errors.install(app)
-    for module in (files, jobs, models, health, dashboard):
+    for module in (files, jobs, models, admin, health, dashboard):
         app.include_router(module.router)
     app.mount("/dashboard/static", StaticFiles(directory=dashboard.STATIC), name="dashboard-static")
     return app

@@ -34,7 +34,9 @@ ApiUrl = Annotated[str | None, typer.Option("--api", help="API base URL (default
 
 
 def _client(api: str | None) -> Client:
-    return Client(api or get_settings().api_url)
+    settings = get_settings()
+    key = settings.api_key.get_secret_value() if settings.api_key else None
+    return Client(api or settings.api_url, api_key=key)
 
 
 @app.command()
@@ -201,6 +203,62 @@ def download(
             job_id, format, dest, lambda done, total: bar.update(task, completed=done, total=total)
         )
     console.print(f"{dest} sha256 {digest} [green]verified[/]")
+
+
+keys = typer.Typer(help="Tenants and API keys, straight in the database (bootstrap; or use /v1/admin).")
+app.add_typer(keys, name="keys")
+
+
+@keys.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="tenant name; created when it does not exist")] = "default",
+    name: Annotated[str, typer.Option(help="a label for the key")] = "cli",
+    admin: Annotated[bool, typer.Option(help="may manage tenants, keys and /metrics")] = False,
+    max_concurrent_jobs: Annotated[int | None, typer.Option(help="for a new tenant")] = None,
+) -> None:
+    """Issue an API key and print its secret (shown only this once)."""
+    from ortune.db.migrate import upgrade
+    from ortune.db.session import session_scope
+    from ortune.tenancy import KeyRepository, TenantRepository
+
+    settings = get_settings()
+    upgrade(settings.database_url)
+    with session_scope(settings.database_url) as session:
+        tenants = TenantRepository(session)
+        found = tenants.by_name(tenant) or tenants.create(tenant, max_concurrent_jobs)
+        key, secret = KeyRepository(session).issue(found.id, name, admin=admin)
+    console.print(f"[green]{key.id}[/] for tenant {tenant} ({found.id}){' [admin]' if admin else ''}:")
+    print(secret)
+
+
+@keys.command("list")
+def keys_list(tenant: Annotated[str, typer.Option(help="tenant name")] = "default") -> None:
+    """A tenant's keys (prefixes only)."""
+    from ortune.db.session import session_scope
+    from ortune.tenancy import KeyRepository, TenantRepository
+
+    with session_scope(get_settings().database_url) as session:
+        found = TenantRepository(session).by_name(tenant)
+        if found is None:
+            console.print(f"[red]no tenant named {tenant!r}[/]")
+            raise typer.Exit(1)
+        table = Table("id", "name", "prefix", "admin", "revoked")
+        for k in KeyRepository(session).list(found.id):
+            table.add_row(k.id, k.name, k.prefix + "…", "yes" if k.admin else "", str(k.revoked_at or ""))
+    console.print(table)
+
+
+@keys.command("revoke")
+def keys_revoke(key_id: str) -> None:
+    """Revoke a key by id (API processes refuse it within api_key_cache_seconds)."""
+    from ortune.db.session import session_scope
+    from ortune.tenancy import KeyRepository
+
+    with session_scope(get_settings().database_url) as session:
+        if KeyRepository(session).revoke(key_id) is None:
+            console.print(f"[red]no API key with id {key_id!r}[/]")
+            raise typer.Exit(1)
+    console.print(f"revoked {key_id}")
 
 
 @app.command()

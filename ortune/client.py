@@ -28,8 +28,9 @@ _transient = retry(
 
 
 class Client:
-    def __init__(self, base_url: str, *, timeout: float = 60.0) -> None:
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 60.0) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, headers=headers)
 
     def _json(self, response: httpx.Response) -> Any:
         if response.status_code >= 400:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from pydantic import SecretStr
 
 from ortune.db.migrate import upgrade
 from ortune.settings import Settings
@@ -23,6 +24,8 @@ def child_env(settings: Settings) -> dict[str, str]:
     """Pin the resolved settings so every child agrees, whatever its working directory."""
     env = dict(os.environ)
     for name, value in settings.model_dump().items():
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
         if value is not None:
             env[f"ORTUNE_{name.upper()}"] = str(value.resolve() if isinstance(value, Path) else value)
     env["PYTHONUNBUFFERED"] = "1"

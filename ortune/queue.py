@@ -12,9 +12,12 @@ from functools import lru_cache
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import event
+from sqlalchemy import event, update
 from sqlalchemy.orm import Session
 
+from ortune.db.base import utcnow
+from ortune.db.models import Job
+from ortune.db.session import session_scope
 from ortune.settings import Settings, get_settings
 
 RUN_JOB = "ortune.run_job"
@@ -55,12 +58,20 @@ def _poll_sqlalchemy_broker_faster() -> None:
 
 def enqueue_job(settings: Settings, job_id: str) -> None:
     celery_app(settings.broker_url, settings.queue).send_task(RUN_JOB, args=[job_id], queue=settings.queue)
+    _mark_enqueued(settings, job_id)
 
 
 def enqueue_search(settings: Settings, job_id: str) -> None:
     """Ask the search task to look at a search job again (it started, or one of its trials finished)."""
     app = celery_app(settings.broker_url, settings.queue)
     app.send_task(ADVANCE_SEARCH, args=[job_id], queue=settings.queue)
+    _mark_enqueued(settings, job_id)
+
+
+def _mark_enqueued(settings: Settings, job_id: str) -> None:
+    """Record the hand-off, so the sweep can tell a job whose message never reached a worker."""
+    with session_scope(settings.database_url) as session:
+        session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=utcnow()))
 
 
 def ping_broker(settings: Settings) -> None:

@@ -7,7 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
@@ -37,10 +37,31 @@ class Settings(BaseSettings):
     api_access_log: bool = False  # per-request lines; /metrics counts requests without the cost
     api_url: str = ""
 
+    # API keys. None: required in production, optional in development (an open single-user deployment,
+    # where a caller without a key is the default tenant). An ortune key that is sent is always checked.
+    require_api_key: bool | None = None
+    admin_api_key: SecretStr | None = Field(
+        default=None, description="A bootstrap admin key (default tenant) for creating tenants and keys."
+    )
+    api_key: SecretStr | None = Field(default=None, description="The key the CLI and client send.")
+    api_key_cache_seconds: float = 30.0  # how long an API process trusts a key lookup (revocation lag)
+
     max_upload_bytes: int = 512 * MiB
     max_rows: int = 2_000_000
     max_steps: int = 1_000_000
     default_page_limit: int = 20
+    max_concurrent_jobs: int = Field(default=16, ge=1, description="Unfinished jobs per tenant at once.")
+    idempotency_key_hours: float = 24.0
+
+    # Reliability: a running attempt beats every heartbeat_seconds; one silent for heartbeat_timeout_seconds
+    # is lost and its job requeued (resuming from its last checkpoint) until max_attempts attempts are lost.
+    heartbeat_seconds: float = 5.0
+    heartbeat_timeout_seconds: float = 60.0
+    max_attempts: int = Field(default=3, ge=1)
+    sweep_seconds: float = 10.0
+    # A queued job nobody has taken this long is sent to the broker again (a message lost with Redis).
+    requeue_after_seconds: float = 300.0
+    pause_grace_seconds: float = 120.0  # for the trainer to checkpoint and exit when paused
 
     event_flush_seconds: float = 0.5
     event_batch_size: int = 200
@@ -66,6 +87,10 @@ class Settings(BaseSettings):
         if self.environment == "production" and self.s3_secret_key == "ortune-dev-secret":
             raise ValueError("ORTUNE_S3_SECRET_KEY is the development placeholder; set a real secret")
         return self
+
+    @property
+    def api_key_required(self) -> bool:
+        return self.require_api_key if self.require_api_key is not None else self.environment == "production"
 
     @property
     def embedded(self) -> bool:

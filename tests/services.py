@@ -230,3 +230,45 @@ def seaweedfs(tmp: Path) -> Iterator[S3Server]:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+class RedisServer:
+    """A redis-server of the test's own (no persistence, like a cache node), which it may restart."""
+
+    def __init__(self, tmp: Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (apt install redis-server)")
+        self.binary, self.tmp, self.port = binary, tmp, free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            cwd=self.tmp,
+        )
+        _wait(lambda: answers("127.0.0.1", self.port), "redis-server")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # as a crash would: whatever it held in memory is gone
+            self.proc.wait(10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()

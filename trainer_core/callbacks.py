@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from typing import Any
 
@@ -67,3 +68,27 @@ class EventCallback(TrainerCallback):
             path=path,
             metrics={"step": state.global_step, **(state.log_history[-1] if state.log_history else {})},
         )
+
+
+class StopOnRequest(TrainerCallback):
+    """SIGTERM (a pause, or a node going down): save a checkpoint at the end of the current step and stop.
+
+    The handler only sets a flag; the Trainer saves at a step boundary, where model, optimizer, scheduler,
+    RNG and data position are consistent."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> StopOnRequest:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if self.requested:
+            control.should_save = True
+            control.should_training_stop = True

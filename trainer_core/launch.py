@@ -1,7 +1,8 @@
 """Run one training job from its spec: `python -m trainer_core.launch spec.json`.
 
 Events go to stdout as JSON lines (see events.py); everything else goes to stderr. Exit status 0 means
-the model was trained, saved and exported; 2 means the spec cannot run here; 1 is any other failure.
+the model was trained, saved and exported; 2 means the spec cannot run here; 3 means a SIGTERM stopped it
+after saving a checkpoint (a pause); 1 is any other failure.
 """
 
 from __future__ import annotations
@@ -15,11 +16,18 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from trainer_core.callbacks import StopOnRequest
 from trainer_core.events import EventStream
 from trainer_core.spec import TrainingSpec
 
+STOPPED = 3
 
-def run(spec: TrainingSpec, events: EventStream) -> None:
+
+class Stopped(Exception):
+    """Training stopped on SIGTERM after its checkpoint was saved."""
+
+
+def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = None) -> None:
     # Setup: everything that can fail fast fails before the model loads.
     import torch
     import transformers
@@ -84,12 +92,17 @@ def run(spec: TrainingSpec, events: EventStream) -> None:
         events,
         cuda=cuda,
         ort_module=ort_module,
+        stop=stop,
     )
 
     # Train, with an evaluation before and after so the job shows what training bought.
     if valid_set is not None and spec.resume_from is None:
         hf_trainer.evaluate()  # the callback reports it as step 0
     result = hf_trainer.train(resume_from_checkpoint=spec.resume_from)
+    if stop is not None and stop.requested:
+        step = hf_trainer.state.global_step
+        events.message(f"stopped on request at step {step}, after saving its checkpoint", step=step)
+        raise Stopped(step)
     final: dict[str, float] = {"train_loss": float(result.training_loss)}
     if valid_set is not None:
         # The Trainer may have evaluated the last step already (eval_every_steps divides max_steps).
@@ -156,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     events = EventStream.take_stdout()
+    stop = StopOnRequest().install()
     from trainer_core.backends import BackendUnavailable
     from trainer_core.export import ExportError
     from trainer_core.modeling import ModelLoadError
@@ -163,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         spec = TrainingSpec.load(args.spec)
-        run(spec, events)
+        run(spec, events, stop)
+    except Stopped:
+        return STOPPED
     except (SpecError, BackendUnavailable, ModelLoadError, ValueError) as exc:
         events.emit("error", code=type(exc).__name__, message=str(exc))
         traceback.print_exc()

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from trainer_core.backends import BackendChoice
-from trainer_core.callbacks import EventCallback
+from trainer_core.callbacks import EventCallback, StopOnRequest
 from trainer_core.data import Collator, Examples
 from trainer_core.events import EventStream
 from trainer_core.ort_trainer import ORTTrainer, ORTTrainingArguments
@@ -76,6 +76,7 @@ def build(
     *,
     cuda: bool,
     ort_module: Any = None,
+    stop: StopOnRequest | None = None,
 ) -> ORTTrainer:
     args = training_arguments(spec, choice, cuda=cuda, has_eval=valid is not None)
     samples_per_step = spec.hyperparameters.batch_size * spec.hyperparameters.gradient_accumulation_steps
@@ -87,5 +88,5 @@ def build(
         eval_dataset=valid,
         data_collator=Collator(tokenizer.pad_token_id, spec.task),
         compute_metrics=accuracy if spec.task == "sequence-classification" else None,
-        callbacks=[EventCallback(events, samples_per_step)],
+        callbacks=[EventCallback(events, samples_per_step), *([stop] if stop else [])],
     )

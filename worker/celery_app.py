@@ -1,7 +1,31 @@
-"""`celery -A worker.celery_app worker -Q ortune.jobs --pool solo` starts a worker on this app."""
+"""`celery -A worker.celery_app worker -Q ortune.jobs --pool solo` starts a worker on this app.
+
+Each worker process also runs the sweep (worker/sweep.py) in a thread while it is up.
+"""
+
+from typing import Any
+
+from celery.signals import worker_ready, worker_shutdown
 
 from ortune.queue import celery_app
+from ortune.settings import get_settings
 
 app = celery_app()
 
 import worker.tasks  # noqa: E402,F401  (registers the tasks on app)
+from worker.sweep import Sweeper  # noqa: E402
+
+_sweeper: list[Sweeper] = []
+
+
+@worker_ready.connect
+def _start_sweep(**_: Any) -> None:
+    sweeper = Sweeper(get_settings())
+    sweeper.start()
+    _sweeper.append(sweeper)
+
+
+@worker_shutdown.connect
+def _stop_sweep(**_: Any) -> None:
+    for sweeper in _sweeper:
+        sweeper.stop()

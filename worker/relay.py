@@ -56,8 +56,8 @@ class Batch:
 class Relay:
     """Accumulates events and writes them in one transaction per flush; says whether the job was cancelled."""
 
-    def __init__(self, database_url: str, job_id: str) -> None:
-        self.url, self.job_id = database_url, job_id
+    def __init__(self, database_url: str, job_id: str, attempt: int | None = None) -> None:
+        self.url, self.job_id, self.attempt = database_url, job_id, attempt
         self.batch = Batch()
 
     def message(self, message: str, *, level: str = "info", data: dict[str, Any] | None = None) -> None:
@@ -118,11 +118,12 @@ class Relay:
             )
 
     def flush(self) -> JobStatus | None:
-        """Write what is pending and beat the heartbeat; returns the job's current status."""
+        """Write what is pending and beat the heartbeat; returns the job's current status (None once the
+        job has moved on to another attempt than this relay's)."""
         batch, self.batch = self.batch, Batch()
         with session_scope(self.url) as session:
             EventRepository(session).add_many(batch.events)
             MetricRepository(session).add_many(self.job_id, batch.points)
             jobs = JobRepository(session)
-            jobs.update(self.job_id, heartbeat_at=utcnow(), **batch.job)
-            return jobs.status(self.job_id)
+            jobs.update(self.job_id, attempt=self.attempt, heartbeat_at=utcnow(), **batch.job)
+            return jobs.status(self.job_id, attempt=self.attempt)

@@ -1,12 +1,17 @@
-"""Run one job: claim it, stage data and model, launch trainer_core, relay events, store the results.
+"""Run one attempt of a job: claim it, stage data, model and the checkpoint to resume from, launch
+trainer_core, relay its events, store the results.
 
-The body is keyed by the job's status: only a `queued` job is claimed (compare-and-set to `running`), so a
-redelivered task finds nothing to do. The training process runs in its own process group, so a cancel
-stops all of it.
+The body is keyed by the job's status and attempt: only a `queued` job is claimed (compare-and-set to
+`running`, attempt + 1), so a redelivered task finds nothing to do, and every later write names the attempt,
+so a worker the sweep gave up on cannot overwrite the attempt that replaced it. A heartbeat thread beats
+while the attempt lives. The training process runs in its own process group and dies with this one
+(PR_SET_PDEATHSIG): a cancel kills all of it, a pause asks it (SIGTERM) to checkpoint and exit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import queue
@@ -14,13 +19,14 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from ortune.db.base import new_id, utcnow
 from ortune.db.models import Artifact, Checkpoint, File, Job, JobStatus
@@ -34,13 +40,45 @@ from trainer_core.spec import ResolvedHyperparameters, TrainingSpec
 from worker.relay import Relay, reader
 
 log = logging.getLogger(__name__)
-TERMINATE_GRACE_S = 8.0
+WORKER = f"{os.uname().nodename}:{os.getpid()}"
+STOPPED_ON_REQUEST = 3  # trainer_core.launch's exit status after a SIGTERM: checkpointed and stopped
 
 
 @dataclass
 class Outcome:
-    status: JobStatus
+    # None: the attempt was superseded (the sweep requeued the job); nothing of it is written back.
+    status: JobStatus | None
     error: dict[str, Any] | None = None
+
+
+def _die_with_parent() -> None:
+    """In the trainer's child: a SIGKILLed worker takes its trainer with it (no orphan holding a GPU)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Heartbeat(threading.Thread):
+    """Beats `heartbeat_at` for one attempt until stopped; the sweep requeues an attempt that goes quiet."""
+
+    def __init__(self, settings: Settings, job_id: str, attempt: int) -> None:
+        super().__init__(daemon=True, name=f"heartbeat-{job_id}")
+        self.settings, self.job_id, self.attempt = settings, job_id, attempt
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.settings.heartbeat_seconds):
+            try:
+                with session_scope(self.settings.database_url) as session:
+                    session.execute(
+                        update(Job)
+                        .where(Job.id == self.job_id, Job.attempt == self.attempt, Job.worker == WORKER)
+                        .values(heartbeat_at=utcnow())
+                    )
+            except Exception:  # the database is down: the next beat tries again
+                log.warning("heartbeat of %s failed", self.job_id, exc_info=True)
+
+    def stop(self) -> None:
+        self.stopped.set()
 
 
 def _store(settings: Settings) -> ObjectStore:
@@ -70,11 +108,16 @@ def _claim(settings: Settings, job_id: str) -> tuple[Job, File, File | None] | N
             JobStatus.running,
             only_from=[JobStatus.queued],
             attempt=attempt,
-            started_at=utcnow(),
+            started_at=job.started_at or utcnow(),
             heartbeat_at=utcnow(),
+            worker=WORKER,
         ):
             return None
-        EventRepository(session).add(job_id, f"Attempt {attempt} started on worker {os.uname().nodename}")
+        EventRepository(session).add(
+            job_id,
+            f"Attempt {attempt} started on worker {WORKER}",
+            data={"attempt": attempt, "worker": WORKER},
+        )
         session.refresh(job)
         train = session.get(File, job.training_file_id)
         valid = session.get(File, job.validation_file_id) if job.validation_file_id else None
@@ -91,6 +134,7 @@ def _stage(settings: Settings, store: ObjectStore, job: Job, train: File, valid:
     if valid is not None:
         store.get_to_path(valid.object_key, data / f"valid.{vfmt}")
     model = registry.resolve(job.model, settings.models_dir)
+    resume_from = _resume_point(settings, store, job, workdir)
     s = job.spec
     spec = TrainingSpec(
         job_id=job.id,
@@ -110,21 +154,44 @@ def _stage(settings: Settings, store: ObjectStore, job: Job, train: File, valid:
         seed=job.seed,
         checkpoint_every_steps=s.get("checkpoint_every_steps"),
         distributed=s["distributed"],
+        resume_from=resume_from,
     )
     spec.dump(workdir / "spec.json")
     store.put_path(f"jobs/{job.id}/spec.json", workdir / "spec.json")
     return spec
 
 
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(TERMINATE_GRACE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+def _resume_point(settings: Settings, store: ObjectStore, job: Job, workdir: Path) -> str | None:
+    """Fetch the job's latest stored checkpoint (model, optimizer, scheduler, RNG, step) to resume from."""
+    with session_scope(settings.database_url) as session:
+        latest = CheckpointRepository(session).latest(job.id)
+        if latest is None:
+            if job.attempt > 1:
+                EventRepository(session).add(job.id, "No checkpoint stored yet: this attempt starts over")
+            return None
+        step, key = latest.step, latest.object_key
+    archive = workdir / "resume.tar"
+    store.get_to_path(key, archive)
+    target = workdir / "resume"
+    with tarfile.open(archive) as tar:
+        tar.extractall(target, filter="data")  # refuses absolute paths, links out and device files
+    archive.unlink()
+    found = next(target.glob("checkpoint-*"), None)
+    if found is None:
+        raise RuntimeError(f"checkpoint archive {key} holds no checkpoint-* directory")
+    with session_scope(settings.database_url) as session:
+        EventRepository(session).add(
+            job.id,
+            f"Resuming from the checkpoint at step {step} (attempt {job.attempt})",
+            data={"resumed_from_step": step, "attempt": job.attempt},
+        )
+    return str(found)
+
+
+def _signal(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
 
 
 class Execution:
@@ -133,7 +200,7 @@ class Execution:
     def __init__(self, settings: Settings, store: ObjectStore, job: Job, spec: TrainingSpec) -> None:
         self.settings, self.store, self.job, self.spec = settings, store, job, spec
         self.workdir = Path(spec.output_dir).parent
-        self.relay = Relay(settings.database_url, job.id)
+        self.relay = Relay(settings.database_url, job.id, job.attempt)
         self.artifacts: set[str] = set()
         self.result: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
@@ -155,18 +222,25 @@ class Execution:
                 env=env,
                 start_new_session=True,
                 cwd=self.workdir,
+                preexec_fn=_die_with_parent,
             )
             assert proc.stdout is not None
             events: queue.Queue[dict[str, Any] | None] = queue.Queue()
             thread = reader(proc.stdout, events, log_file)
-            cancelled = self._pump(proc, events)
+            stopped = self._pump(proc, events)
             thread.join(timeout=5)
             code = proc.wait()
         status = self.relay.flush()
-        if cancelled or status == JobStatus.cancelled:
+        if stopped is not None:
+            return stopped
+        if status == JobStatus.cancelled:
             return Outcome(JobStatus.cancelled)
+        if status != JobStatus.running and status != JobStatus.paused:
+            return Outcome(None)
         if code == 0 and self.result is not None and {"pytorch", "onnx"} <= self.artifacts:
-            return Outcome(JobStatus.succeeded)
+            return Outcome(JobStatus.succeeded)  # finished before a pause could stop it
+        if code == STOPPED_ON_REQUEST or status == JobStatus.paused:
+            return Outcome(JobStatus.paused)
         if self.error is None:
             tail = "".join(deque(log_path.open(errors="replace"), maxlen=6)).strip()
             self.error = {
@@ -175,8 +249,14 @@ class Execution:
             }
         return Outcome(JobStatus.failed, self.error)
 
-    def _pump(self, proc: subprocess.Popen[str], events: queue.Queue[dict[str, Any] | None]) -> bool:
+    def _pump(
+        self, proc: subprocess.Popen[str], events: queue.Queue[dict[str, Any] | None]
+    ) -> Outcome | None:
+        """Relay events until the trainer exits. Each flush reads the job's status back: cancelled kills
+        the trainer at once, paused asks it to checkpoint and exit, and a job no longer running (requeued
+        after this worker was given up for lost) is killed. Returns the outcome when it ended early."""
         last_flush = time.monotonic()
+        pause_deadline: float | None = None
         done = False
         while not done:
             try:
@@ -189,11 +269,23 @@ class Execution:
                 pass
             due = time.monotonic() - last_flush >= self.settings.event_flush_seconds
             if done or due or len(self.relay.batch) >= self.settings.event_batch_size:
-                if self.relay.flush() == JobStatus.cancelled:
-                    _stop(proc)
-                    return True
+                status = self.relay.flush()
                 last_flush = time.monotonic()
-        return False
+                if status == JobStatus.cancelled:
+                    _signal(proc, signal.SIGKILL)
+                    return Outcome(JobStatus.cancelled)
+                if status == JobStatus.paused and pause_deadline is None:
+                    _signal(proc, signal.SIGTERM)  # checkpoint, then exit 3; its events keep coming
+                    pause_deadline = time.monotonic() + self.settings.pause_grace_seconds
+                elif status not in (JobStatus.running, JobStatus.paused):
+                    _signal(proc, signal.SIGKILL)
+                    return Outcome(None)
+            if pause_deadline is not None and time.monotonic() > pause_deadline:
+                self.relay.message(
+                    "the trainer did not checkpoint in time to pause; stopped it", level="warn"
+                )
+                _signal(proc, signal.SIGKILL)
+        return None
 
     def _handle(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
@@ -224,6 +316,9 @@ class Execution:
         if not path.is_dir():
             self.relay.message(f"checkpoint at step {step} was rotated away before upload", level="warn")
             return
+        # Events up to the checkpoint go in first: what the database shows never lags a stored checkpoint,
+        # so after a lost attempt the events say exactly which steps the next attempt redoes.
+        self.relay.flush()
         archive = self.workdir / f"checkpoint-{step}.tar"
         size, digest = _pack(path, archive)
         key = f"jobs/{self.job.id}/checkpoints/step-{step}.tar"
@@ -269,26 +364,48 @@ class Execution:
 def _finish(settings: Settings, job: Job, outcome: Outcome) -> None:
     with session_scope(settings.database_url) as session:
         jobs, events = JobRepository(session), EventRepository(session)
+        running, attempt = [JobStatus.running], job.attempt
+        if outcome.status is None:
+            events.add(job.id, f"Attempt {attempt} on {WORKER} stopped: the job was requeued without it")
+            return
         if outcome.status == JobStatus.succeeded:
             name = f"ft:{job.model}:{job.suffix or 'ortune'}:{job.id}"
             if jobs.transition(
                 job.id,
                 JobStatus.succeeded,
-                only_from=[JobStatus.running],
+                only_from=[JobStatus.running, JobStatus.paused],
+                on_attempt=attempt,
                 finished_at=utcnow(),
                 fine_tuned_model=name,
+                worker=None,
             ):
                 events.add(job.id, f"The job has successfully completed: {name}")
         elif outcome.status == JobStatus.failed:
             if jobs.transition(
                 job.id,
                 JobStatus.failed,
-                only_from=[JobStatus.running],
+                only_from=running,
+                on_attempt=attempt,
                 finished_at=utcnow(),
                 error=outcome.error,
+                worker=None,
             ):
                 events.add(job.id, f"The job failed: {(outcome.error or {}).get('message')}", level="error")
+        elif outcome.status == JobStatus.paused:
+            latest = CheckpointRepository(session).latest(job.id)
+            where = f"the checkpoint at step {latest.step}" if latest else "the start (no checkpoint yet)"
+            if jobs.transition(
+                job.id, JobStatus.paused, only_from=[JobStatus.paused], on_attempt=attempt, worker=None
+            ):
+                events.add(
+                    job.id,
+                    f"Paused; the worker is free. Resume continues from {where}",
+                    data={"checkpoint_step": latest.step if latest else None},
+                )
         else:
+            jobs.transition(
+                job.id, JobStatus.cancelled, only_from=[JobStatus.cancelled], on_attempt=attempt, worker=None
+            )
             events.add(job.id, "Training stopped after the job was cancelled")
         if job.parent_id is not None:
             parent = job.parent_id
@@ -302,6 +419,8 @@ def run(settings: Settings, job_id: str) -> str:
             status = session.scalar(select(Job.status).where(Job.id == job_id))
         return f"not claimed (status {status})"
     job, train, valid = claimed
+    heartbeat = Heartbeat(settings, job.id, job.attempt)
+    heartbeat.start()
     try:
         store = _store(settings)
         spec = _stage(settings, store, job, train, valid)
@@ -311,8 +430,10 @@ def run(settings: Settings, job_id: str) -> str:
         outcome = Outcome(
             JobStatus.failed, {"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"}
         )
+    finally:
+        heartbeat.stop()
     _finish(settings, job, outcome)
-    return outcome.status.value
+    return outcome.status.value if outcome.status else "superseded"
 
 
 if __name__ == "__main__":  # run one job by hand: python -m worker.runner ftjob-...

@@ -53,6 +53,7 @@ def _start_trial(session: Session, settings: Settings, parent: Job, params: dict
         priority=parent.priority,
         backend_requested=parent.backend_requested,
         parent_id=parent.id,
+        tenant_id=parent.tenant_id,
     )
     JobRepository(session).add(child)
     shown = _shown(params)

@@ -3,15 +3,18 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
+from api.auth import CallerDep
 from api.deps import SessionDep, SettingsDep, StoreDep
+from api.errors import ERRORS
 from api.schemas import FileDeleted, FileObject, Page, page
-from api.services import files
+from api.services import files, idempotency
 from api.services.uploads import receive
+from ortune.db.base import new_id
 from ortune.db.repositories import FileRepository
 
-router = APIRouter(prefix="/v1/files", tags=["files"])
+router = APIRouter(prefix="/v1/files", tags=["files"], responses=ERRORS)
 
 UPLOAD_BODY = {
     "requestBody": {
@@ -35,30 +38,59 @@ UPLOAD_BODY = {
 
 @router.post("", response_model=FileObject, openapi_extra=UPLOAD_BODY)
 async def upload_file(
-    request: Request, session: SessionDep, store: StoreDep, settings: SettingsDep
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    caller: CallerDep,
 ) -> FileObject:
-    """Upload a JSONL or CSV training file (multipart, streamed to storage and checked row by row)."""
+    """Upload a JSONL or CSV training file (multipart, streamed to storage and checked row by row). With an
+    `Idempotency-Key`, a retry of the same upload returns the file the first one created."""
+    key = idempotency.key_of(request)
     upload = await receive(request, settings.job_work_dir / "uploads", settings.max_upload_bytes)
-    return FileObject.of(await files.create(session, store, settings, upload))
+    try:
+        claim = idempotency.claim(
+            session,
+            settings,
+            caller,
+            key,
+            endpoint="POST /v1/files",
+            digest=idempotency.fingerprint(upload.sha256, upload.filename, sorted(upload.fields.items())),
+            new_id=new_id("file"),
+        )
+    except BaseException:
+        if upload.path is not None:
+            upload.path.unlink(missing_ok=True)
+        raise
+    if claim.existing is not None:
+        if upload.path is not None:
+            upload.path.unlink(missing_ok=True)
+        idempotency.mark_replayed(response)
+        return FileObject.of(files.get(session, caller, claim.existing))
+    return FileObject.of(await files.create(session, store, settings, caller, upload, claim.resource_id))
 
 
 @router.get("", response_model=Page[FileObject])
 def list_files(
     session: SessionDep,
+    caller: CallerDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
     purpose: str | None = None,
 ) -> Page[FileObject]:
     """List files, newest first."""
-    rows, more = FileRepository(session).list(after=after, limit=limit, purpose=purpose)
+    rows, more = FileRepository(session).list(
+        tenant_id=caller.tenant_id, after=after, limit=limit, purpose=purpose
+    )
     data = [FileObject.of(f) for f in rows]
     return page(data, more)
 
 
 @router.get("/{file_id}", response_model=FileObject)
-def retrieve_file(file_id: str, session: SessionDep) -> FileObject:
+def retrieve_file(file_id: str, session: SessionDep, caller: CallerDep) -> FileObject:
     """Retrieve a file's metadata and check results."""
-    return FileObject.of(files.get(session, file_id))
+    return FileObject.of(files.get(session, caller, file_id))
 
 
 @router.get(
@@ -66,9 +98,9 @@ def retrieve_file(file_id: str, session: SessionDep) -> FileObject:
     response_class=StreamingResponse,
     responses={200: {"content": {"application/octet-stream": {}}}},
 )
-def file_content(file_id: str, session: SessionDep, store: StoreDep) -> StreamingResponse:
+def file_content(file_id: str, session: SessionDep, store: StoreDep, caller: CallerDep) -> StreamingResponse:
     """Download a file's bytes as uploaded."""
-    file = files.get(session, file_id)
+    file = files.get(session, caller, file_id)
     return StreamingResponse(
         store.iter_range(file.object_key),
         media_type="application/octet-stream",
@@ -77,7 +109,7 @@ def file_content(file_id: str, session: SessionDep, store: StoreDep) -> Streamin
 
 
 @router.delete("/{file_id}", response_model=FileDeleted)
-def delete_file(file_id: str, session: SessionDep, store: StoreDep) -> FileDeleted:
+def delete_file(file_id: str, session: SessionDep, store: StoreDep, caller: CallerDep) -> FileDeleted:
     """Delete a file that no unfinished job uses."""
-    files.delete(session, store, file_id)
+    files.delete(session, store, caller, file_id)
     return FileDeleted(id=file_id)

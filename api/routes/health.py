@@ -9,11 +9,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
+from api.auth import AdminDep
 from api.deps import SettingsDep
+from api.errors import ERRORS
 from ortune.db.session import make_engine
 from ortune.queue import ping_broker
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], responses=ERRORS)
 
 
 @router.get("/healthz")
@@ -51,6 +53,7 @@ async def readyz(request: Request, settings: SettingsDep) -> JSONResponse:
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
-def metrics(request: Request) -> Response:
-    """Prometheus exposition: request rates and latencies, queue depth, jobs by status, samples/s."""
+def metrics(request: Request, _: AdminDep) -> Response:
+    """Prometheus exposition: request rates and latencies, queue depth, jobs by status, samples/s (an admin
+    key where keys are required: it names every tenant's running jobs)."""
     return Response(generate_latest(request.app.state.metrics), media_type=CONTENT_TYPE_LATEST)

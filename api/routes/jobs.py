@@ -5,8 +5,9 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
+from api.auth import CallerDep
 from api.deps import SessionDep, SettingsDep, StoreDep
-from api.errors import APIError, NotFound
+from api.errors import ERRORS, APIError, NotFound
 from api.schemas import (
     ArtifactObject,
     CheckpointObject,
@@ -18,7 +19,8 @@ from api.schemas import (
     Series,
     page,
 )
-from api.services import artifacts, jobs
+from api.services import artifacts, idempotency, jobs
+from ortune.db.base import new_id
 from ortune.db.repositories import (
     ArtifactRepository,
     CheckpointRepository,
@@ -27,49 +29,83 @@ from ortune.db.repositories import (
     MetricRepository,
 )
 
-router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], responses=ERRORS)
 Limit = Annotated[int, Query(ge=1, le=100)]
 
 
 @router.post("", response_model=FineTuningJob)
-def create_job(req: JobCreate, session: SessionDep, settings: SettingsDep) -> FineTuningJob:
-    """Create a fine-tuning job; it is queued once the request commits."""
-    return FineTuningJob.of(jobs.create(session, settings, req))
+def create_job(
+    req: JobCreate,
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    settings: SettingsDep,
+    caller: CallerDep,
+) -> FineTuningJob:
+    """Create a fine-tuning job; it is queued once the request commits. With an `Idempotency-Key`, a retry
+    of the same request returns the job the first one created."""
+    claim = idempotency.claim(
+        session,
+        settings,
+        caller,
+        idempotency.key_of(request),
+        endpoint="POST /v1/fine_tuning/jobs",
+        digest=idempotency.fingerprint(req.model_dump(mode="json")),
+        new_id=new_id("ftjob"),
+    )
+    if claim.existing is not None:
+        idempotency.mark_replayed(response)
+        return FineTuningJob.of(jobs.get(session, caller, claim.existing))
+    return FineTuningJob.of(jobs.create(session, settings, caller, req, job_id=claim.resource_id))
 
 
 @router.get("", response_model=Page[FineTuningJob])
-def list_jobs(session: SessionDep, after: str | None = None, limit: Limit = 20) -> Page[FineTuningJob]:
+def list_jobs(
+    session: SessionDep, caller: CallerDep, after: str | None = None, limit: Limit = 20
+) -> Page[FineTuningJob]:
     """List jobs, newest first, in cursor pages."""
-    rows, more = JobRepository(session).list(after=after, limit=limit)
+    rows, more = JobRepository(session).list(tenant_id=caller.tenant_id, after=after, limit=limit)
     data = [FineTuningJob.of(j) for j in rows]
     return page(data, more)
 
 
 @router.get("/{job_id}", response_model=FineTuningJob)
-def retrieve_job(job_id: str, session: SessionDep) -> FineTuningJob:
+def retrieve_job(job_id: str, session: SessionDep, caller: CallerDep) -> FineTuningJob:
     """Retrieve a job with its status, progress and the backend that ran it."""
-    return FineTuningJob.of(jobs.get(session, job_id))
+    return FineTuningJob.of(jobs.get(session, caller, job_id))
 
 
 @router.post("/{job_id}/cancel", response_model=FineTuningJob)
-def cancel_job(job_id: str, session: SessionDep, settings: SettingsDep) -> FineTuningJob:
+def cancel_job(job_id: str, session: SessionDep, settings: SettingsDep, caller: CallerDep) -> FineTuningJob:
     """Cancel a job that has not finished; a running one stops within seconds, a search with its trials."""
-    return FineTuningJob.of(jobs.cancel(session, settings, job_id))
+    return FineTuningJob.of(jobs.cancel(session, settings, caller, job_id))
+
+
+@router.post("/{job_id}/pause", response_model=FineTuningJob)
+def pause_job(job_id: str, session: SessionDep, settings: SettingsDep, caller: CallerDep) -> FineTuningJob:
+    """Pause a queued or running job: a running one saves a checkpoint and frees its worker."""
+    return FineTuningJob.of(jobs.pause(session, settings, caller, job_id))
+
+
+@router.post("/{job_id}/resume", response_model=FineTuningJob)
+def resume_job(job_id: str, session: SessionDep, settings: SettingsDep, caller: CallerDep) -> FineTuningJob:
+    """Queue a paused job again; it continues from its latest checkpoint."""
+    return FineTuningJob.of(jobs.resume(session, settings, caller, job_id))
 
 
 @router.get("/{job_id}/trials", response_model=Page[FineTuningJob])
-def list_trials(job_id: str, session: SessionDep) -> Page[FineTuningJob]:
+def list_trials(job_id: str, session: SessionDep, caller: CallerDep) -> Page[FineTuningJob]:
     """A hyperparameter search's trials (child jobs), oldest first."""
-    jobs.get(session, job_id)
+    jobs.get(session, caller, job_id)
     return page([FineTuningJob.of(j) for j in JobRepository(session).children(job_id)], False)
 
 
 @router.get("/{job_id}/events", response_model=Page[JobEventObject])
 def list_events(
-    job_id: str, session: SessionDep, after: str | None = None, limit: Limit = 20
+    job_id: str, session: SessionDep, caller: CallerDep, after: str | None = None, limit: Limit = 20
 ) -> Page[JobEventObject]:
     """Events newest first; `after` is the id of the last event seen (ftevent-N)."""
-    jobs.get(session, job_id)
+    jobs.get(session, caller, job_id)
     cursor = None
     if after is not None:
         raw = after.removeprefix("ftevent-")
@@ -83,10 +119,10 @@ def list_events(
 
 @router.get("/{job_id}/checkpoints", response_model=Page[CheckpointObject])
 def list_checkpoints(
-    job_id: str, session: SessionDep, after: str | None = None, limit: Limit = 10
+    job_id: str, session: SessionDep, caller: CallerDep, after: str | None = None, limit: Limit = 10
 ) -> Page[CheckpointObject]:
     """Checkpoints stored in object storage, latest step first."""
-    job = jobs.get(session, job_id)
+    job = jobs.get(session, caller, job_id)
     rows, more = CheckpointRepository(session).list(job_id, after=after, limit=limit)
     data = [CheckpointObject.of(c, job.model) for c in rows]
     return page(data, more)
@@ -96,11 +132,12 @@ def list_checkpoints(
 def metrics(
     job_id: str,
     session: SessionDep,
+    caller: CallerDep,
     name: Annotated[list[str] | None, Query()] = None,
     max_points: Annotated[int, Query(ge=2, le=20000)] = 1000,
 ) -> MetricsObject:
     """Metric series for charts, downsampled on the server to at most `max_points` per series."""
-    jobs.get(session, job_id)
+    jobs.get(session, caller, job_id)
     series = MetricRepository(session).series(job_id, name)
     data, downsampled = {}, False
     for key, points in series.items():
@@ -111,9 +148,9 @@ def metrics(
 
 
 @router.get("/{job_id}/artifacts", response_model=list[ArtifactObject])
-def list_artifacts(job_id: str, session: SessionDep) -> list[ArtifactObject]:
+def list_artifacts(job_id: str, session: SessionDep, caller: CallerDep) -> list[ArtifactObject]:
     """The job's downloadable models with their manifests."""
-    jobs.get(session, job_id)
+    jobs.get(session, caller, job_id)
     return [ArtifactObject.of(a) for a in ArtifactRepository(session).for_job(job_id)]
 
 
@@ -123,10 +160,15 @@ def list_artifacts(job_id: str, session: SessionDep) -> list[ArtifactObject]:
     responses={200: {"content": {"application/x-tar": {}}}, 206: {"description": "Partial content"}},
 )
 def download_artifact(
-    job_id: str, fmt: Literal["pytorch", "onnx"], request: Request, session: SessionDep, store: StoreDep
+    job_id: str,
+    fmt: Literal["pytorch", "onnx"],
+    request: Request,
+    session: SessionDep,
+    store: StoreDep,
+    caller: CallerDep,
 ) -> Response:
     """Download the model as a tar archive, with its sha256 in headers and Range support."""
-    jobs.get(session, job_id)
+    jobs.get(session, caller, job_id)
     artifact = ArtifactRepository(session).get(job_id, fmt)
     if artifact is None:
         raise NotFound(f"job {job_id} has no {fmt} artifact (yet)", param="format", code="artifact_not_found")

@@ -15,6 +15,7 @@ from ortune.db.models import File, FileStatus
 from ortune.db.repositories import FileRepository
 from ortune.settings import Settings
 from ortune.storage import ObjectStore
+from ortune.tenancy import Caller
 from trainer_core import rows
 
 PURPOSES = ("fine-tune",)
@@ -45,13 +46,20 @@ def _validate_form(upload: Upload) -> tuple[str, str, str | None]:
     return purpose, fmt, task
 
 
-async def create(session: Session, store: ObjectStore, settings: Settings, upload: Upload) -> File:
+async def create(
+    session: Session,
+    store: ObjectStore,
+    settings: Settings,
+    caller: Caller,
+    upload: Upload,
+    file_id: str | None = None,
+) -> File:
     try:
         purpose, fmt, task = _validate_form(upload)
         assert upload.path is not None and upload.filename is not None
         path: Path = upload.path
         report = await asyncio.to_thread(rows.check_file, path, fmt, max_rows=settings.max_rows, task=task)
-        file_id = new_id("file")
+        file_id = file_id or new_id("file")
         key = f"files/{file_id}.{fmt}"
         await asyncio.to_thread(store.put_path, key, path)
     finally:
@@ -60,6 +68,7 @@ async def create(session: Session, store: ObjectStore, settings: Settings, uploa
     labels = sorted(report.labels, key=str) if report.kind == "text_label" else None
     file = File(
         id=file_id,
+        tenant_id=caller.tenant_id,
         filename=Path(upload.filename).name[:255] or "upload",
         purpose=purpose,
         bytes=upload.size,
@@ -74,16 +83,16 @@ async def create(session: Session, store: ObjectStore, settings: Settings, uploa
     return FileRepository(session).add(file)
 
 
-def get(session: Session, file_id: str) -> File:
+def get(session: Session, caller: Caller, file_id: str) -> File:
     file = FileRepository(session).get(file_id)
-    if file is None:
+    if file is None or file.tenant_id != caller.tenant_id:  # another tenant's file does not exist for you
         raise NotFound(f"no file with id {file_id!r}", param="file_id", code="file_not_found")
     return file
 
 
-def delete(session: Session, store: ObjectStore, file_id: str) -> None:
+def delete(session: Session, store: ObjectStore, caller: Caller, file_id: str) -> None:
     repo = FileRepository(session)
-    file = get(session, file_id)
+    file = get(session, caller, file_id)
     if repo.in_use(file_id):
         raise Conflict(
             f"file {file_id} is used by a job that has not finished; cancel it first",

@@ -7,7 +7,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from api.errors import APIError, Conflict, NotFound
+from api.errors import APIError, Conflict, NotFound, TooManyRequests
 from api.schemas import JobCreate
 from ortune import search
 from ortune.db.base import new_id, utcnow
@@ -15,15 +15,16 @@ from ortune.db.models import File, FileStatus, Job, JobStatus
 from ortune.db.repositories import EventRepository, FileRepository, JobRepository
 from ortune.queue import enqueue_job, enqueue_search, on_commit
 from ortune.settings import Settings
+from ortune.tenancy import Caller, TenantRepository
 from trainer_core import registry, rows
 from trainer_core.spec import Distributed
 
 CANCELLABLE = (JobStatus.validating_files, JobStatus.queued, JobStatus.running, JobStatus.paused)
 
 
-def _file(session: Session, file_id: str, param: str, task: str | None) -> File:
+def _file(session: Session, caller: Caller, file_id: str, param: str, task: str | None) -> File:
     file = FileRepository(session).get(file_id)
-    if file is None:
+    if file is None or file.tenant_id != caller.tenant_id:
         raise NotFound(f"no file with id {file_id!r}", param=param, code="file_not_found")
     if file.status != FileStatus.processed:
         raise APIError(
@@ -39,12 +40,14 @@ def _file(session: Session, file_id: str, param: str, task: str | None) -> File:
     return file
 
 
-def create(session: Session, settings: Settings, req: JobCreate) -> Job:
+def create(
+    session: Session, settings: Settings, caller: Caller, req: JobCreate, job_id: str | None = None
+) -> Job:
     try:
         model = registry.resolve(req.model, settings.models_dir)
     except registry.UnknownModel as exc:
         raise NotFound(str(exc), param="model", code="model_not_found") from exc
-    train = _file(session, req.training_file, "training_file", req.task)
+    train = _file(session, caller, req.training_file, "training_file", req.task)
     task = req.task or ("sequence-classification" if train.row_kind == "text_label" else "causal-lm")
     if task not in model.tasks:
         raise APIError(
@@ -52,7 +55,9 @@ def create(session: Session, settings: Settings, req: JobCreate) -> Job:
             param="model",
             code="unsupported_task",
         )
-    valid = _file(session, req.validation_file, "validation_file", task) if req.validation_file else None
+    valid = (
+        _file(session, caller, req.validation_file, "validation_file", task) if req.validation_file else None
+    )
     if valid is not None and valid.row_kind != train.row_kind:
         raise APIError(
             f"validation file holds {valid.row_kind} rows, training file {train.row_kind} rows",
@@ -102,8 +107,10 @@ def create(session: Session, settings: Settings, req: JobCreate) -> Job:
     spec = search.with_hyperparameters(spec, hp, train.row_count)
     if req.hyperparameter_search is not None:
         spec["hyperparameter_search"] = _checked_search(req.hyperparameter_search, valid is not None)
+    _check_quota(session, settings, caller)
     job = Job(
-        id=new_id("ftjob"),
+        id=job_id or new_id("ftjob"),
+        tenant_id=caller.tenant_id,
         model=model.id,
         task=task,
         training_file_id=train.id,
@@ -125,6 +132,20 @@ def create(session: Session, settings: Settings, req: JobCreate) -> Job:
     return job
 
 
+def _check_quota(session: Session, settings: Settings, caller: Caller) -> None:
+    tenants = TenantRepository(session)
+    tenant = tenants.lock(caller.tenant_id)  # two creates of one tenant count one after the other
+    limit = (tenant.max_concurrent_jobs if tenant else None) or settings.max_concurrent_jobs
+    held = tenants.unfinished_jobs(caller.tenant_id)
+    if held >= limit:
+        raise TooManyRequests(
+            f"this tenant has {held} unfinished jobs and may hold {limit} at once; wait for one to finish "
+            "or cancel one",
+            param="max_concurrent_jobs",
+            code="quota_exceeded",
+        )
+
+
 def _checked_search(hs: search.HyperparameterSearch, has_validation: bool) -> dict[str, Any]:
     if hs.metric.startswith("eval_") and not has_validation:
         raise APIError(
@@ -135,17 +156,17 @@ def _checked_search(hs: search.HyperparameterSearch, has_validation: bool) -> di
     return hs.model_dump(mode="json")
 
 
-def get(session: Session, job_id: str) -> Job:
+def get(session: Session, caller: Caller, job_id: str) -> Job:
     job = JobRepository(session).get(job_id)
-    if job is None:
+    if job is None or job.tenant_id != caller.tenant_id:  # another tenant's job does not exist for you
         raise NotFound(
             f"no fine-tuning job with id {job_id!r}", param="fine_tuning_job_id", code="job_not_found"
         )
     return job
 
 
-def cancel(session: Session, settings: Settings, job_id: str) -> Job:
-    job = get(session, job_id)
+def cancel(session: Session, settings: Settings, caller: Caller, job_id: str) -> Job:
+    job = get(session, caller, job_id)
     repo = JobRepository(session)
     if not repo.transition(job_id, JobStatus.cancelled, only_from=CANCELLABLE, finished_at=utcnow()):
         current = repo.status(job_id)
@@ -161,5 +182,56 @@ def cancel(session: Session, settings: Settings, job_id: str) -> Job:
     if job.parent_id is not None:  # the search moves on to its next trial
         parent = job.parent_id
         on_commit(session, lambda: enqueue_search(settings, parent))
+    session.refresh(job)
+    return job
+
+
+def pause(session: Session, settings: Settings, caller: Caller, job_id: str) -> Job:
+    """A queued job is held; a running one checkpoints and lets go of its worker (see worker.runner)."""
+    job = get(session, caller, job_id)
+    if job.spec.get("hyperparameter_search") is not None or job.parent_id is not None:
+        raise Conflict(
+            "a hyperparameter search and its trials cannot be paused; cancel the search instead",
+            param="fine_tuning_job_id",
+            code="job_not_pausable",
+        )
+    repo = JobRepository(session)
+    if not repo.transition(job_id, JobStatus.paused, only_from=[JobStatus.queued, JobStatus.running]):
+        raise Conflict(
+            f"job {job_id} is {repo.status(job_id)}; only a queued or running job can be paused",
+            param="fine_tuning_job_id",
+            code="job_not_pausable",
+        )
+    held = job.worker is not None
+    EventRepository(session).add(
+        job_id,
+        "Pause requested: the trainer saves a checkpoint and stops" if held else "Job paused while queued",
+        data={"step": job.step},
+    )
+    session.refresh(job)
+    return job
+
+
+def resume(session: Session, settings: Settings, caller: Caller, job_id: str) -> Job:
+    """A paused job is queued again; its next attempt continues from its latest checkpoint."""
+    job = get(session, caller, job_id)
+    repo = JobRepository(session)
+    if job.status == JobStatus.paused and job.worker is not None:
+        raise Conflict(
+            f"job {job_id} is still stopping on worker {job.worker}; resume it once its checkpoint is stored",
+            param="fine_tuning_job_id",
+            code="job_pausing",
+            headers={"Retry-After": "2"},
+        )
+    if not repo.transition(
+        job_id, JobStatus.queued, only_from=[JobStatus.paused], worker=None, enqueued_at=None
+    ):
+        raise Conflict(
+            f"job {job_id} is {repo.status(job_id)}; only a paused job can be resumed",
+            param="fine_tuning_job_id",
+            code="job_not_resumable",
+        )
+    EventRepository(session).add(job_id, "Job resumed: queued for its next attempt")
+    on_commit(session, lambda: enqueue_job(settings, job_id))
     session.refresh(job)
     return job

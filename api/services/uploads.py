@@ -49,7 +49,9 @@ class _Parts:
         self._hvalue += data[start:end]
 
     def on_header_end(self) -> None:
-        self._headers[self._hname.decode("latin-1").lower()] = self._hvalue.decode("utf-8", "replace")
+        # latin-1 keeps the bytes as they came (parse_options_header wants them so); names and filenames
+        # in them are UTF-8, decoded where they are read
+        self._headers[self._hname.decode("latin-1").lower()] = self._hvalue.decode("latin-1")
         self._hname, self._hvalue = b"", b""
 
     def on_headers_finished(self) -> None:

@@ -6,7 +6,7 @@ import enum
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Enum, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import Boolean, Enum, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from ortune.db.base import Base, BigIntId, JSONType, UTCDateTime, utcnow
@@ -44,10 +44,57 @@ def _enum(cls: type[enum.Enum], name: str) -> Enum:
     )
 
 
-class File(Base):
-    __tablename__ = "files"
+DEFAULT_TENANT = "default"
+
+
+class Tenant(Base):
+    """Who owns jobs and files. A deployment without API keys runs everything as the default tenant."""
+
+    __tablename__ = "tenants"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    # Unfinished jobs (queued, running, paused) the tenant may hold at once; None: the deployment's limit.
+    max_concurrent_jobs: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class APIKey(Base):
+    """A bearer key, stored as its SHA-256 (keys are 32 random bytes, so a slow hash buys nothing)."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    prefix: Mapped[str] = mapped_column(String(24))  # shown in listings to tell keys apart
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class IdempotencyKey(Base):
+    """A client's Idempotency-Key on a create: a retry with the same key and body gets the same resource."""
+
+    __tablename__ = "idempotency_keys"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    request_sha256: Mapped[str] = mapped_column(String(64))
+    resource_id: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+
+
+class File(Base):
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant_id_created_at", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id"), default=DEFAULT_TENANT, server_default=DEFAULT_TENANT
+    )
     filename: Mapped[str] = mapped_column(String(255))
     purpose: Mapped[str] = mapped_column(String(32))
     bytes: Mapped[int] = mapped_column(BigIntId)
@@ -68,9 +115,13 @@ class Job(Base):
         Index("ix_jobs_created_at_id", "created_at", "id"),
         Index("ix_jobs_status", "status"),
         Index("ix_jobs_parent_id", "parent_id"),
+        Index("ix_jobs_tenant_id_created_at", "tenant_id", "created_at"),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id"), default=DEFAULT_TENANT, server_default=DEFAULT_TENANT
+    )
     model: Mapped[str] = mapped_column(String(255))
     task: Mapped[str] = mapped_column(String(64))
     training_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
@@ -95,6 +146,12 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # The worker that holds the running attempt (host:pid); cleared when it lets go (finished, paused).
+    worker: Mapped[str | None] = mapped_column(String(255))
+    # When the job's task was last handed to the broker: the sweep sends it again if nobody took it.
+    enqueued_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # Attempts lost with their worker (no heartbeat); the sweep gives up at the max_attempts setting.
+    lost_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # A hyperparameter search's trials are jobs whose parent is the search job.
     parent_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
 

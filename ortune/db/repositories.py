@@ -28,11 +28,13 @@ class FileRepository:
         file = self.session.get(File, file_id)
         return None if file is None or file.deleted else file
 
-    def list(self, *, after: str | None, limit: int, purpose: str | None = None) -> tuple[list[File], bool]:
-        stmt = select(File).where(File.deleted.is_(False))
+    def list(
+        self, *, tenant_id: str, after: str | None, limit: int, purpose: str | None = None
+    ) -> tuple[list[File], bool]:
+        stmt = select(File).where(File.tenant_id == tenant_id, File.deleted.is_(False))
         if purpose:
             stmt = stmt.where(File.purpose == purpose)
-        stmt = _after(stmt, File, self.session.get(File, after) if after else None)
+        stmt = _after(stmt, File, _anchor(self.session, File, after, tenant_id))
         rows = list(
             self.session.scalars(stmt.order_by(File.created_at.desc(), File.id.desc()).limit(limit + 1))
         )
@@ -71,33 +73,46 @@ class JobRepository:
             stmt = stmt.with_for_update()
         return self.session.scalars(stmt).first()
 
-    def list(self, *, after: str | None, limit: int) -> tuple[list[Job], bool]:
-        stmt = _after(select(Job), Job, self.session.get(Job, after) if after else None)
+    def list(self, *, tenant_id: str, after: str | None, limit: int) -> tuple[list[Job], bool]:
+        stmt = select(Job).where(Job.tenant_id == tenant_id)
+        stmt = _after(stmt, Job, _anchor(self.session, Job, after, tenant_id))
         rows = list(
             self.session.scalars(stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1))
         )
         return rows[:limit], len(rows) > limit
 
     def transition(
-        self, job_id: str, to: JobStatus, *, only_from: Iterable[JobStatus], **values: Any
+        self,
+        job_id: str,
+        to: JobStatus,
+        *,
+        only_from: Iterable[JobStatus],
+        on_attempt: int | None = None,
+        **values: Any,
     ) -> bool:
-        """Compare-and-set on status: the single way a job's status changes, so races resolve in SQL."""
-        stmt = (
-            update(Job)
-            .where(Job.id == job_id, Job.status.in_(list(only_from)))
-            .values(status=to, **values)
-            .execution_options(synchronize_session=False)
-        )
+        """Compare-and-set on status (and attempt, for a worker that may have been superseded): the single
+        way a job's status changes, so races resolve in SQL."""
+        stmt = update(Job).where(Job.id == job_id, Job.status.in_(list(only_from)))
+        if on_attempt is not None:
+            stmt = stmt.where(Job.attempt == on_attempt)
+        stmt = stmt.values(status=to, **values).execution_options(synchronize_session=False)
         changed = self.session.execute(stmt).rowcount == 1  # type: ignore[attr-defined]
         self.session.flush()
         return changed
 
-    def update(self, job_id: str, **values: Any) -> None:
-        self.session.execute(update(Job).where(Job.id == job_id).values(**values))
+    def update(self, job_id: str, *, attempt: int | None = None, **values: Any) -> None:
+        stmt = update(Job).where(Job.id == job_id)
+        if attempt is not None:
+            stmt = stmt.where(Job.attempt == attempt)
+        self.session.execute(stmt.values(**values))
         self.session.flush()
 
-    def status(self, job_id: str) -> JobStatus | None:
-        return self.session.scalar(select(Job.status).where(Job.id == job_id))
+    def status(self, job_id: str, *, attempt: int | None = None) -> JobStatus | None:
+        """The job's status; None when it does not exist (or is now on another attempt than `attempt`)."""
+        stmt = select(Job.status).where(Job.id == job_id)
+        if attempt is not None:
+            stmt = stmt.where(Job.attempt == attempt)
+        return self.session.scalar(stmt)
 
     def children(self, parent_id: str) -> Sequence[Job]:
         """A search's trials, oldest first."""
@@ -108,9 +123,9 @@ class JobRepository:
         stmt = select(Job.status, func.count()).group_by(Job.status)
         return {status: n for status, n in self.session.execute(stmt)}
 
-    def fine_tuned_models(self) -> Sequence[tuple[str, datetime]]:
+    def fine_tuned_models(self, tenant_id: str) -> Sequence[tuple[str, datetime]]:
         stmt = select(Job.fine_tuned_model, Job.finished_at).where(
-            Job.status == JobStatus.succeeded, Job.fine_tuned_model.is_not(None)
+            Job.tenant_id == tenant_id, Job.status == JobStatus.succeeded, Job.fine_tuned_model.is_not(None)
         )
         return [(m, t or utcnow()) for m, t in self.session.execute(stmt) if m]
 
@@ -216,6 +231,10 @@ class CheckpointRepository:
         self.session.add(checkpoint)
         self.session.flush()
 
+    def latest(self, job_id: str) -> Checkpoint | None:
+        stmt = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())
+        return self.session.scalars(stmt.limit(1)).first()
+
     def list(self, job_id: str, *, after: str | None, limit: int) -> tuple[list[Checkpoint], bool]:
         stmt = select(Checkpoint).where(Checkpoint.job_id == job_id)
         if after:
@@ -259,6 +278,12 @@ class ArtifactRepository:
 
     def for_job(self, job_id: str) -> list[Artifact]:
         return list(self.session.scalars(select(Artifact).where(Artifact.job_id == job_id)))
+
+
+def _anchor(session: Session, model: Any, row_id: str | None, tenant_id: str) -> Any:
+    """The row a page starts after: only one of the tenant's own (another's id is as good as unknown)."""
+    row = session.get(model, row_id) if row_id else None
+    return row if row is not None and row.tenant_id == tenant_id else None
 
 
 def _after(stmt: Any, model: Any, anchor: Any) -> Any:

@@ -1,0 +1,93 @@
+"""Bearer API keys: who the caller is, and the tenant every query of the request is scoped to.
+
+Lookups are cached per process for `api_key_cache_seconds` (a poll every 2 s should not cost a query for its
+key); a key revoked through this process is dropped from its cache at once, other processes see it within
+the cache time.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Annotated
+
+import anyio.to_thread
+from fastapi import Depends, Request
+
+from api.errors import Forbidden, Unauthorized
+from ortune.db.models import DEFAULT_TENANT
+from ortune.db.session import session_scope
+from ortune.settings import Settings
+from ortune.tenancy import ANONYMOUS, Caller, KeyRepository, digest, looks_like_key
+
+
+class KeyCache:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._entries: dict[str, tuple[float, Caller | None]] = {}
+
+    def get(self, key_digest: str) -> tuple[bool, Caller | None]:
+        hit = self._entries.get(key_digest)
+        if hit is None or hit[0] < time.monotonic():
+            return False, None
+        return True, hit[1]
+
+    def put(self, key_digest: str, caller: Caller | None) -> None:
+        if len(self._entries) > 10_000:  # bounded: a flood of made-up keys cannot grow it without end
+            self._entries.clear()
+        self._entries[key_digest] = (time.monotonic() + self.seconds, caller)
+
+    def forget(self, key_id: str) -> None:
+        for k, (_, caller) in list(self._entries.items()):
+            if caller is not None and caller.key_id == key_id:
+                del self._entries[k]
+
+
+def _lookup(settings: Settings, secret: str) -> Caller | None:
+    with session_scope(settings.database_url) as session:
+        key = KeyRepository(session).lookup(secret)
+        return None if key is None else Caller(key.tenant_id, admin=key.admin, key_id=key.id)
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization")
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("the Authorization header must be 'Bearer <API key>'", param="Authorization")
+    return token.strip()
+
+
+async def authenticate(request: Request) -> Caller:
+    settings: Settings = request.app.state.settings
+    token = _bearer(request)
+    admin = settings.admin_api_key.get_secret_value() if settings.admin_api_key else None
+    if token is not None and admin and hmac.compare_digest(token.encode(), admin.encode()):
+        return Caller(DEFAULT_TENANT, admin=True, key_id="admin")
+    if token is not None and looks_like_key(token):
+        cache: KeyCache = request.app.state.key_cache
+        key_digest = digest(token)
+        hit, caller = cache.get(key_digest)
+        if not hit:
+            caller = await anyio.to_thread.run_sync(_lookup, settings, token)
+            cache.put(key_digest, caller)
+        if caller is None:
+            raise Unauthorized(f"API key {token[:14]}… is not valid (unknown or revoked)")
+        return caller
+    if settings.api_key_required:
+        if token is None:
+            raise Unauthorized("an API key is required: send 'Authorization: Bearer <API key>'")
+        raise Unauthorized("the API key is not an ortune key (they start with 'ortune-sk-')")
+    # An open deployment: no key, or a placeholder some clients insist on sending (openai's SDK does).
+    return ANONYMOUS
+
+
+async def require_admin(caller: Annotated[Caller, Depends(authenticate)]) -> Caller:
+    if not caller.admin:
+        raise Forbidden("this endpoint needs an admin API key", code="admin_key_required")
+    return caller
+
+
+CallerDep = Annotated[Caller, Depends(authenticate)]
+AdminDep = Annotated[Caller, Depends(require_admin)]

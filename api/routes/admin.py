@@ -1,0 +1,118 @@
+"""Tenants and their API keys, for admin keys only. A key's secret is shown once, when it is issued."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.auth import AdminDep, KeyCache
+from api.deps import SessionDep
+from api.errors import ERRORS, Conflict, NotFound
+from api.schemas import Page, ts
+from ortune.db.models import APIKey, Tenant
+from ortune.tenancy import KeyRepository, TenantExists, TenantRepository
+
+router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=ERRORS)
+
+
+class TenantCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+    max_concurrent_jobs: Annotated[int, Field(ge=1, le=10_000)] | None = None
+
+
+class TenantObject(BaseModel):
+    id: str
+    object: Literal["tenant"] = "tenant"
+    name: str
+    max_concurrent_jobs: int | None
+    created_at: int
+
+    @classmethod
+    def of(cls, t: Tenant) -> TenantObject:
+        return cls(
+            id=t.id, name=t.name, max_concurrent_jobs=t.max_concurrent_jobs, created_at=ts(t.created_at) or 0
+        )
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    admin: bool = False
+
+
+class KeyObject(BaseModel):
+    id: str
+    object: Literal["api_key"] = "api_key"
+    tenant_id: str
+    name: str
+    prefix: str
+    admin: bool
+    created_at: int
+    revoked_at: int | None
+
+    @classmethod
+    def of(cls, k: APIKey) -> KeyObject:
+        return cls(
+            id=k.id,
+            tenant_id=k.tenant_id,
+            name=k.name,
+            prefix=k.prefix,
+            admin=k.admin,
+            created_at=ts(k.created_at) or 0,
+            revoked_at=ts(k.revoked_at),
+        )
+
+
+class KeyIssued(KeyObject):
+    key: str = Field(description="The secret: shown this once, stored only as its SHA-256.")
+
+
+def _tenant(session: SessionDep, tenant_id: str) -> Tenant:
+    tenant = TenantRepository(session).get(tenant_id)
+    if tenant is None:
+        raise NotFound(f"no tenant with id {tenant_id!r}", param="tenant_id", code="tenant_not_found")
+    return tenant
+
+
+@router.post("/tenants", response_model=TenantObject)
+def create_tenant(req: TenantCreate, session: SessionDep, _: AdminDep) -> TenantObject:
+    """Create a tenant (its jobs, files and models are invisible to every other tenant)."""
+    try:
+        return TenantObject.of(TenantRepository(session).create(req.name, req.max_concurrent_jobs))
+    except TenantExists as exc:
+        raise Conflict(str(exc), param="name", code="tenant_exists") from exc
+
+
+@router.get("/tenants", response_model=Page[TenantObject])
+def list_tenants(session: SessionDep, _: AdminDep) -> Page[TenantObject]:
+    """All tenants, oldest first."""
+    return Page(data=[TenantObject.of(t) for t in TenantRepository(session).list()])
+
+
+@router.post("/tenants/{tenant_id}/api_keys", response_model=KeyIssued)
+def issue_key(tenant_id: str, req: KeyCreate, session: SessionDep, _: AdminDep) -> KeyIssued:
+    """Issue an API key for a tenant; the response is the only time its secret is shown."""
+    _tenant(session, tenant_id)
+    key, secret = KeyRepository(session).issue(tenant_id, req.name, admin=req.admin)
+    return KeyIssued(**KeyObject.of(key).model_dump(), key=secret)
+
+
+@router.get("/tenants/{tenant_id}/api_keys", response_model=Page[KeyObject])
+def list_keys(tenant_id: str, session: SessionDep, _: AdminDep) -> Page[KeyObject]:
+    """A tenant's keys (prefixes only, never secrets), revoked ones included."""
+    _tenant(session, tenant_id)
+    return Page(data=[KeyObject.of(k) for k in KeyRepository(session).list(tenant_id)])
+
+
+@router.delete("/api_keys/{key_id}", response_model=KeyObject)
+def revoke_key(key_id: str, request: Request, session: SessionDep, _: AdminDep) -> KeyObject:
+    """Revoke a key: this API process refuses it at once, others within `api_key_cache_seconds`."""
+    key = KeyRepository(session).revoke(key_id)
+    if key is None:
+        raise NotFound(f"no API key with id {key_id!r}", param="key_id", code="api_key_not_found")
+    cache: KeyCache = request.app.state.key_cache
+    cache.forget(key_id)
+    return KeyObject.of(key)

@@ -1,0 +1,111 @@
+"""`Idempotency-Key` on creates: a retried request with the same key and body gets the resource the first
+one made, never a second one.
+
+The key row is written first, in the transaction that creates the resource: of two requests racing on one
+key, the second waits on the primary key and then finds the first one's row (or fails with 409 if it cannot
+be read yet). A key reused with a different body is refused; keys expire after `idempotency_key_hours`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from fastapi import Request, Response
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.errors import APIError, Conflict
+from ortune.db.base import utcnow
+from ortune.db.models import IdempotencyKey
+from ortune.settings import Settings
+from ortune.tenancy import Caller
+
+HEADER = "Idempotency-Key"
+REPLAYED = "Idempotent-Replayed"
+
+
+@dataclass
+class Claim:
+    """What a create does with its key: replay `existing`, or make `resource_id` (already reserved)."""
+
+    existing: str | None
+    resource_id: str
+
+
+def key_of(request: Request) -> str | None:
+    key = request.headers.get(HEADER)
+    if key is None:
+        return None
+    if not 1 <= len(key) <= 255 or not key.isascii() or not key.isprintable():
+        raise APIError(
+            f"{HEADER} must be 1 to 255 printable ASCII characters",
+            param=HEADER,
+            code="invalid_idempotency_key",
+        )
+    return key
+
+
+def fingerprint(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _existing(
+    session: Session, settings: Settings, row: IdempotencyKey, endpoint: str, digest: str
+) -> str | None:
+    if row.created_at < utcnow() - timedelta(hours=settings.idempotency_key_hours):
+        session.delete(row)
+        session.flush()
+        return None
+    if row.endpoint != endpoint or row.request_sha256 != digest:
+        raise APIError(
+            f"{HEADER} {row.key!r} was already used for a different request ({row.endpoint}); "
+            "use a new key for a new request",
+            param=HEADER,
+            code="idempotency_key_reused",
+        )
+    return row.resource_id
+
+
+def claim(
+    session: Session,
+    settings: Settings,
+    caller: Caller,
+    key: str | None,
+    *,
+    endpoint: str,
+    digest: str,
+    new_id: str,
+) -> Claim:
+    if key is None:
+        return Claim(None, new_id)
+    row = session.get(IdempotencyKey, (caller.tenant_id, key))
+    if row is not None and (found := _existing(session, settings, row, endpoint, digest)) is not None:
+        return Claim(found, found)
+    session.add(
+        IdempotencyKey(
+            tenant_id=caller.tenant_id, key=key, endpoint=endpoint, request_sha256=digest, resource_id=new_id
+        )
+    )
+    try:
+        session.flush()
+    except IntegrityError:  # a concurrent request with this key committed first
+        session.rollback()
+        row = session.get(IdempotencyKey, (caller.tenant_id, key))
+        if row is None:
+            raise Conflict(
+                f"a request with {HEADER} {key!r} is in progress; retry it shortly",
+                param=HEADER,
+                code="idempotency_key_in_use",
+                headers={"Retry-After": "1"},
+            ) from None
+        found = _existing(session, settings, row, endpoint, digest)
+        return Claim(found, found or new_id)
+    return Claim(None, new_id)
+
+
+def mark_replayed(response: Response) -> None:
+    response.headers[REPLAYED] = "true"

@@ -1,0 +1,270 @@
+"""Not losing work: a worker SIGKILLed mid-training, Redis restarted under queued and running jobs, and the
+pause/resume/cancel round trips, all through real processes (uvicorn, Celery workers, trainers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from fastapi.testclient import TestClient
+
+from api.main import create_app
+from ortune import embedded
+from ortune.client import Client
+from ortune.settings import Settings
+from tests import services
+from tests.conftest import DEMO, upload, wait_for, write_jsonl
+
+pytestmark = pytest.mark.e2e
+TERMINAL = {"succeeded", "failed", "cancelled"}
+FAST_SWEEP = {
+    "heartbeat_seconds": 0.5,
+    "heartbeat_timeout_seconds": 4.0,
+    "sweep_seconds": 0.5,
+    "requeue_after_seconds": 3.0,
+}
+
+
+def rows(n: int) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (DEMO / "sentiment_train.jsonl").read_text().splitlines()[:n]]
+
+
+def events(client: Client, job_id: str) -> list[dict[str, Any]]:
+    """All of a job's events, oldest first."""
+    out: list[dict[str, Any]] = []
+    after = None
+    while True:
+        page = client.get(f"/v1/fine_tuning/jobs/{job_id}/events", limit=100, after=after)
+        out += page["data"]
+        if not page["has_more"]:
+            return list(reversed(out))
+        after = page["data"][-1]["id"]
+
+
+def submit(client: Client, tmp: Path, steps: int, every: int, **extra: Any) -> dict[str, Any]:
+    train = client.upload(write_jsonl(tmp / "train.jsonl", rows(64)))
+    return client.create_job(
+        model="tiny-bert",
+        training_file=train["id"],
+        backend="torch",
+        seed=5,
+        checkpoint_every_steps=every,
+        hyperparameters={"max_steps": steps, "batch_size": 8, "learning_rate": 1e-3, "max_seq_length": 32},
+        **extra,
+    )
+
+
+def wait_until(what: str, check: Any, timeout: float = 180) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def checkpoints(client: Client, job_id: str) -> list[int]:
+    return [c["step_number"] for c in client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints")["data"]]
+
+
+def trainers_of(job_id: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "trainer_core.launch" in cmdline and job_id in cmdline:
+            found.append(proc)
+    return found
+
+
+def assert_steps_contiguous(client: Client, job_id: str, total: int) -> None:
+    series = client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics", max_points=20000)["data"]["train_loss"]
+    assert series["steps"] == list(range(1, total + 1))  # redone steps replaced, none missing
+
+
+def start_worker(settings: Settings, name: str, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as fh:
+        return subprocess.Popen(
+            embedded.worker_command(settings, name=f"{name}@%h"),
+            env=embedded.child_env(settings),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def test_killed_worker_resumes_from_its_last_checkpoint(settings: Settings, tmp_path: Path) -> None:
+    s = settings.model_copy(update=FAST_SWEEP)
+    every, total = 20, 240
+    with embedded.start(s, log_dir=tmp_path / "logs") as running:
+        client = Client(s.api_url)
+        job = submit(client, tmp_path, total, every)
+        wait_until("two checkpoints", lambda: len(checkpoints(client, job["id"])) >= 2)
+        first_worker = running.procs[0]
+        trainer = wait_until("the trainer process", lambda: trainers_of(job["id"]))
+        first_worker.kill()  # SIGKILL: no shutdown code runs
+        first_worker.wait()
+        # its trainer dies with it (PR_SET_PDEATHSIG) instead of training on as an orphan
+        psutil.wait_procs(trainer, timeout=10)
+        assert not trainers_of(job["id"]) or all(
+            p.status() == psutil.STATUS_ZOMBIE for p in trainers_of(job["id"])
+        )
+        second = start_worker(s, "second", tmp_path / "logs" / "worker2.log")
+        try:
+            done = wait_for(client, job["id"], TERMINAL, timeout=300)
+        finally:
+            second.terminate()
+            second.wait(30)
+
+        assert done["status"] == "succeeded", done["error"]
+        assert done["attempt"] == 2 and done["progress"]["step"] == total
+        log = events(client, job["id"])
+        lost = next(e for e in log if "lost" in e["message"] and e["level"] == "warn")
+        assert lost["data"]["attempt"] == 1 and lost["data"]["lost_attempts"] == 1
+        resumed = next(e for e in log if e["message"].startswith("Resuming from the checkpoint"))
+        start = resumed["data"]["resumed_from_step"]
+        assert start >= every and start % every == 0 and start == lost["data"]["checkpoint_step"]
+        before = log[: log.index(lost)]
+        last_step_of_first = max(e["data"]["step"] for e in before if e["type"] == "metrics")
+        redone = last_step_of_first - start
+        assert 0 <= redone <= every, f"redid {redone} steps (checkpoints every {every})"
+        # the second attempt did only what was left, from the checkpoint on
+        second_steps = [e["data"]["step"] for e in log[log.index(resumed) :] if e["type"] == "metrics"]
+        assert min(second_steps) == start + 1
+        assert_steps_contiguous(client, job["id"], total)
+
+
+def test_too_many_lost_attempts_fail_the_job(settings: Settings, tmp_path: Path) -> None:
+    s = settings.model_copy(update=FAST_SWEEP | {"max_attempts": 1})
+    with embedded.start(s, log_dir=tmp_path / "logs") as running:
+        client = Client(s.api_url)
+        job = submit(client, tmp_path, 400, 50)
+        wait_until("training", lambda: client.job(job["id"])["progress"]["step"] > 3)
+        running.procs[0].kill()
+        running.procs[0].wait()
+        sweeper = start_worker(s, "sweeper", tmp_path / "logs" / "worker2.log")
+        try:
+            done = wait_for(client, job["id"], TERMINAL, timeout=120)
+        finally:
+            sweeper.terminate()
+            sweeper.wait(30)
+    assert done["status"] == "failed" and done["error"]["code"] == "attempts_exhausted"
+    assert "the limit is 1" in done["error"]["message"]
+
+
+@pytest.mark.parametrize("settings", ["production"], indirect=True)
+def test_redis_restart_loses_no_job(settings: Settings, tmp_path: Path) -> None:
+    redis = services.RedisServer(tmp_path)
+    redis.start()
+    try:
+        s = settings.model_copy(update=FAST_SWEEP | {"broker_url": redis.url})
+        with embedded.start(s, log_dir=tmp_path / "logs"):
+            client = Client(s.api_url)
+            running = submit(client, tmp_path, 200, 50)
+            wait_until("the first job training", lambda: client.job(running["id"])["progress"]["step"] > 5)
+            queued = submit(client, tmp_path, 10, 5)  # one solo worker: it waits behind the first
+            assert client.job(queued["id"])["status"] == "queued"
+            redis.restart()  # the queued job's message is gone with it
+            first = wait_for(client, running["id"], TERMINAL, timeout=300)
+            second = wait_for(client, queued["id"], TERMINAL, timeout=300)
+    finally:
+        redis.stop()
+    assert first["status"] == "succeeded", first["error"]
+    assert second["status"] == "succeeded", second["error"]
+    assert first["attempt"] == 1 and second["attempt"] == 1
+
+
+def test_pause_resume_and_cancel_while_running(settings: Settings, tmp_path: Path) -> None:
+    total = 300
+    with embedded.start(settings, log_dir=tmp_path / "logs"):
+        client = Client(settings.api_url)
+        job = submit(client, tmp_path, total, 100)
+        wait_until("training", lambda: client.job(job["id"])["progress"]["step"] >= 20)
+        paused = client.post(f"/v1/fine_tuning/jobs/{job['id']}/pause")
+        assert paused["status"] == "paused"
+        settled = wait_until(
+            "the pause to settle",
+            lambda: next((e for e in events(client, job["id"]) if e["message"].startswith("Paused;")), None),
+        )
+        at = settled["data"]["checkpoint_step"]
+        assert at is not None and at in checkpoints(client, job["id"])  # the SIGTERM checkpoint, stored
+        assert not trainers_of(job["id"])
+        assert client.job(job["id"])["status"] == "paused"
+
+        resumed = client.post(f"/v1/fine_tuning/jobs/{job['id']}/resume")
+        assert resumed["status"] in ("queued", "running")
+        done = wait_for(client, job["id"], TERMINAL)
+        assert done["status"] == "succeeded", done["error"]
+        assert done["attempt"] == 2
+        log = events(client, job["id"])
+        again = next(e for e in log if e["message"].startswith("Resuming from the checkpoint"))
+        assert again["data"]["resumed_from_step"] == at
+        assert_steps_contiguous(client, job["id"], total)
+
+        doomed = submit(client, tmp_path, 2000, 1000)
+        wait_until("training", lambda: client.job(doomed["id"])["progress"]["step"] >= 5)
+        assert client.post(f"/v1/fine_tuning/jobs/{doomed['id']}/cancel")["status"] == "cancelled"
+        wait_until(
+            "the trainer to stop",
+            lambda: any(e["message"].startswith("Training stopped") for e in events(client, doomed["id"])),
+        )
+        assert not trainers_of(doomed["id"])
+        stopped_at = client.job(doomed["id"])["progress"]["step"]
+        assert stopped_at < 2000
+        # the worker is free again: a new job runs
+        after = submit(client, tmp_path, 4, 2)
+        assert wait_for(client, after["id"], TERMINAL)["status"] == "succeeded"
+
+
+def test_pause_resume_cancel_round_trips_while_queued(settings: Settings) -> None:
+    with TestClient(create_app(settings)) as client:  # no worker: jobs stay where the API puts them
+        file = upload(client, DEMO / "sentiment_train.jsonl").json()
+
+        def create() -> str:
+            response = client.post(
+                "/v1/fine_tuning/jobs", json={"model": "tiny-bert", "training_file": file["id"]}
+            )
+            assert response.status_code == 200, response.text
+            return str(response.json()["id"])
+
+        def act(job_id: str, action: str) -> Any:
+            return client.post(f"/v1/fine_tuning/jobs/{job_id}/{action}")
+
+        job = create()
+        assert act(job, "pause").json()["status"] == "paused"
+        conflict = act(job, "pause")
+        assert conflict.status_code == 409 and conflict.json()["error"]["code"] == "job_not_pausable"
+        assert act(job, "resume").json()["status"] == "queued"
+        resumed_twice = act(job, "resume")
+        assert (
+            resumed_twice.status_code == 409 and resumed_twice.json()["error"]["code"] == "job_not_resumable"
+        )
+        assert act(job, "pause").json()["status"] == "paused"
+        assert act(job, "cancel").json()["status"] == "cancelled"  # cancel while paused
+        for action in ("pause", "resume", "cancel"):
+            response = act(job, action)
+            assert response.status_code == 409, (action, response.text)
+            assert "cancelled" in response.json()["error"]["message"]
+
+        other = create()
+        assert act(other, "cancel").json()["status"] == "cancelled"  # cancel while queued
+        messages = [e["message"] for e in client.get(f"/v1/fine_tuning/jobs/{job}/events").json()["data"]]
+        assert (
+            "Job paused while queued" in messages and "Job resumed: queued for its next attempt" in messages
+        )
+        missing = act("ftjob-nope", "pause")
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "fine_tuning_job_id"
+
+
+def test_a_redelivered_task_never_runs_a_job_twice(settings: Settings, tmp_path: Path) -> None:
+    from worker import runner
+
+    with embedded.start(settings, log_dir=tmp_path / "logs"):
+        client = Client(settings.api_url)
+        job = submit(client, tmp_path, 4, 2)
+        done = wait_for(client, job["id"], TERMINAL)
+    assert done["status"] == "succeeded"
+    assert runner.run(settings, job["id"]) == "not claimed (status succeeded)"  # a duplicate message
