@@ -62,44 +62,68 @@ def postgres(tmp: Path) -> Iterator[str]:
     if answers("127.0.0.1", 5432):
         yield "postgresql://postgres@127.0.0.1:5432"
         return
-    bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    initdb = shutil.which("initdb") or (bins[-1] if bins else None)
-    if initdb is None:
-        raise RuntimeError(
-            "no Postgres answers on 127.0.0.1:5432 and no initdb is installed "
-            "(apt install postgresql, or set ORTUNE_TEST_POSTGRES_URL)"
-        )
-    pg_ctl = str(Path(initdb).with_name("pg_ctl"))
-    data, port = tmp / "pgdata", free_port()
-    data.mkdir()
-    prefix: list[str] = []
-    if os.geteuid() == 0:
-        shutil.chown(tmp, "postgres")
-        shutil.chown(data, "postgres")
-        prefix = ["runuser", "-u", "postgres", "--"]
-    subprocess.run(
-        [*prefix, initdb, "-D", str(data), "-A", "trust", "-U", "postgres"], check=True, capture_output=True
-    )
-    subprocess.run(
-        [
-            *prefix,
-            pg_ctl,
-            "-D",
-            str(data),
-            "-l",
-            str(data / "log"),
-            "-w",
-            "-o",
-            f"-p {port} -k {data} -c listen_addresses=127.0.0.1 -c fsync=off",
-            "start",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    cluster = PostgresCluster(tmp)
+    cluster.start()
     try:
-        yield f"postgresql://postgres@127.0.0.1:{port}"
+        yield cluster.url
     finally:
-        subprocess.run([*prefix, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
+        cluster.stop()
+
+
+class PostgresCluster:
+    """A throwaway cluster from initdb (as the postgres user when run as root: initdb refuses root), which
+    a test may stop and start again on the same port."""
+
+    def __init__(self, tmp: Path) -> None:
+        bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        initdb = shutil.which("initdb") or (bins[-1] if bins else None)
+        if initdb is None:
+            raise RuntimeError(
+                "no Postgres answers on 127.0.0.1:5432 and no initdb is installed "
+                "(apt install postgresql, or set ORTUNE_TEST_POSTGRES_URL)"
+            )
+        self.initdb, self.pg_ctl = initdb, str(Path(initdb).with_name("pg_ctl"))
+        self.data, self.port = tmp / "pgdata", free_port()
+        self.prefix: list[str] = []
+        self.data.mkdir()
+        if os.geteuid() == 0:
+            shutil.chown(tmp, "postgres")
+            shutil.chown(self.data, "postgres")
+            self.prefix = ["runuser", "-u", "postgres", "--"]
+        subprocess.run(
+            [*self.prefix, initdb, "-D", str(self.data), "-A", "trust", "-U", "postgres"],
+            check=True,
+            capture_output=True,
+        )
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.data} -c listen_addresses=127.0.0.1 -c fsync=off"
+        subprocess.run(
+            [
+                *self.prefix,
+                self.pg_ctl,
+                "-D",
+                str(self.data),
+                "-l",
+                str(self.data / "log"),
+                "-w",
+                "-o",
+                options,
+                "start",
+            ],
+            check=True,
+            capture_output=True,
+        )
+
+    def stop(self) -> None:
+        subprocess.run(
+            [*self.prefix, self.pg_ctl, "-D", str(self.data), "-m", "immediate", "-w", "stop"],
+            capture_output=True,
+        )
 
 
 def create_database(server: str, name: str, template: str | None = None) -> str:

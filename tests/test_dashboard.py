@@ -141,3 +141,30 @@ def test_dashboard_shows_a_search_with_its_best_trial(tmp_path: Path, browser_pa
         expect(page.locator('a[data-format="pytorch"]')).to_be_visible()
         expect(page.locator("#training-section")).to_be_hidden()
         page.screenshot(path=str(tmp_path / "search.png"), full_page=True)
+
+
+def test_dashboard_asks_for_a_key_where_keys_are_required(tmp_path: Path, browser_page: object) -> None:
+    from playwright.sync_api import Page, expect
+    from pydantic import SecretStr
+
+    from ortune.db.session import session_scope
+    from ortune.tenancy import KeyRepository, TenantRepository
+
+    page = browser_page
+    assert isinstance(page, Page)
+    settings = embedded_settings(tmp_path, require_api_key=True, admin_api_key=SecretStr("admin-key"))
+    upgrade(settings.database_url)
+    with session_scope(settings.database_url) as session:
+        tenant = TenantRepository(session).create("erin")
+        _, secret = KeyRepository(session).issue(tenant.id, "browser")
+    with embedded.start(settings, worker=False, log_dir=tmp_path / "logs"):
+        client = Client(settings.api_url, api_key=secret)
+        train = client.upload(DEMO / "sentiment_train.jsonl")
+        job = client.create_job(model="tiny-bert", training_file=train["id"])
+        page.goto(f"{settings.api_url}/dashboard")
+        expect(page.locator("#poll")).to_contain_text("update failed")
+        expect(page.locator("#key-form")).to_be_visible()
+        page.fill("#key-input", secret)
+        page.click("#key-form button")
+        expect(page.locator("#jobs")).to_contain_text(job["id"])
+        expect(page.locator("#key-form")).to_be_hidden()

@@ -49,7 +49,11 @@ def seeded() -> Iterator[None]:
 @hypothesis_settings(
     max_examples=25,
     deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.filter_too_much],
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+    ],
 )
 def test_api_conforms_to_its_schema(case: Any, seeded: None) -> None:
     case.call_and_validate()

@@ -268,3 +268,62 @@ def test_a_redelivered_task_never_runs_a_job_twice(settings: Settings, tmp_path:
         done = wait_for(client, job["id"], TERMINAL)
     assert done["status"] == "succeeded"
     assert runner.run(settings, job["id"]) == "not claimed (status succeeded)"  # a duplicate message
+
+
+def test_a_worker_shutting_down_checkpoints_and_hands_the_job_on(settings: Settings, tmp_path: Path) -> None:
+    total = 300
+    with embedded.start(settings, log_dir=tmp_path / "logs") as running:
+        client = Client(settings.api_url)
+        job = submit(client, tmp_path, total, 1000)  # no periodic checkpoint before the end
+        wait_until("training", lambda: client.job(job["id"])["progress"]["step"] >= 20)
+        worker = running.procs[0]
+        worker.terminate()  # SIGTERM: Celery's warm shutdown
+        assert worker.wait(60) == 0  # it did not wait for the job to finish
+        handed = client.job(job["id"])
+        assert handed["status"] == "queued" and handed["progress"]["step"] < total
+        at = checkpoints(client, job["id"])
+        assert len(at) == 1 and 20 <= at[0] < total
+        assert any(e["message"].startswith("Requeued from the checkpoint") for e in events(client, job["id"]))
+        successor = start_worker(settings, "successor", tmp_path / "logs" / "worker2.log")
+        try:
+            done = wait_for(client, job["id"], TERMINAL)
+        finally:
+            successor.terminate()
+            successor.wait(60)
+        assert done["status"] == "succeeded" and done["attempt"] == 2
+        resumed = next(e for e in events(client, job["id"]) if e["message"].startswith("Resuming from"))
+        assert resumed["data"]["resumed_from_step"] == at[0]
+        assert_steps_contiguous(client, job["id"], total)
+
+
+def test_api_answers_503_while_the_database_is_down_and_recovers(tmp_path: Path) -> None:
+    cluster = services.PostgresCluster(tmp_path / "pg")
+    cluster.start()
+    try:
+        url = services.create_database(cluster.url, "ortune")
+        from ortune.db.migrate import upgrade
+
+        upgrade(url)
+        s = Settings(data_dir=tmp_path / "state", database_url=url, api_port=services.free_port())
+        with TestClient(create_app(s)) as client:
+            file = upload(client, DEMO / "sentiment_train.jsonl").json()
+            job = client.post(
+                "/v1/fine_tuning/jobs", json={"model": "tiny-bert", "training_file": file["id"]}
+            )
+            assert job.status_code == 200
+            cluster.stop()
+            for path in ("/v1/fine_tuning/jobs", f"/v1/files/{file['id']}"):
+                down = client.get(path)
+                assert down.status_code == 503, down.text
+                assert down.headers["retry-after"] == "5"
+                assert down.json()["error"]["code"] == "database_unavailable"
+            assert client.get("/healthz").status_code == 200  # the process itself is fine
+            cluster.start()
+            back = wait_until(
+                "the API to recover",
+                lambda: (r := client.get("/v1/fine_tuning/jobs")).status_code == 200 and r,
+                timeout=60,
+            )
+            assert back.json()["data"][0]["id"] == job.json()["id"]  # nothing lost
+    finally:
+        cluster.stop()

@@ -5,7 +5,7 @@ Each worker process also runs the sweep (worker/sweep.py) in a thread while it i
 
 from typing import Any
 
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from ortune.queue import celery_app
 from ortune.settings import get_settings
@@ -13,6 +13,7 @@ from ortune.settings import get_settings
 app = celery_app()
 
 import worker.tasks  # noqa: E402,F401  (registers the tasks on app)
+from worker.runner import DRAINING  # noqa: E402
 from worker.sweep import Sweeper  # noqa: E402
 
 _sweeper: list[Sweeper] = []
@@ -23,6 +24,11 @@ def _start_sweep(**_: Any) -> None:
     sweeper = Sweeper(get_settings())
     sweeper.start()
     _sweeper.append(sweeper)
+
+
+@worker_shutting_down.connect
+def _drain(**_: Any) -> None:
+    DRAINING.set()  # the running job checkpoints and is requeued (worker/runner.py)
 
 
 @worker_shutdown.connect

@@ -32,7 +32,7 @@ from ortune.db.base import new_id, utcnow
 from ortune.db.models import Artifact, Checkpoint, File, Job, JobStatus
 from ortune.db.repositories import ArtifactRepository, CheckpointRepository, EventRepository, JobRepository
 from ortune.db.session import session_scope
-from ortune.queue import enqueue_search, on_commit
+from ortune.queue import enqueue_job, enqueue_search, on_commit
 from ortune.settings import Settings
 from ortune.storage import ObjectStore, open_store, sha256_file
 from trainer_core import registry, rows
@@ -41,6 +41,9 @@ from worker.relay import Relay, reader
 
 log = logging.getLogger(__name__)
 WORKER = f"{os.uname().nodename}:{os.getpid()}"
+# Set when this worker is asked to shut down (SIGTERM: a deploy, a node drain): the running attempt
+# checkpoints and is requeued, for this or another worker to continue, instead of holding the shutdown.
+DRAINING = threading.Event()
 STOPPED_ON_REQUEST = 3  # trainer_core.launch's exit status after a SIGTERM: checkpointed and stopped
 
 
@@ -204,6 +207,7 @@ class Execution:
         self.artifacts: set[str] = set()
         self.result: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
+        self.drained = False
 
     def run(self) -> Outcome:
         log_path = self.workdir / "trainer.log"
@@ -239,6 +243,8 @@ class Execution:
             return Outcome(None)
         if code == 0 and self.result is not None and {"pytorch", "onnx"} <= self.artifacts:
             return Outcome(JobStatus.succeeded)  # finished before a pause could stop it
+        if code == STOPPED_ON_REQUEST and self.drained and status == JobStatus.running:
+            return Outcome(JobStatus.queued)
         if code == STOPPED_ON_REQUEST or status == JobStatus.paused:
             return Outcome(JobStatus.paused)
         if self.error is None:
@@ -256,7 +262,7 @@ class Execution:
         the trainer at once, paused asks it to checkpoint and exit, and a job no longer running (requeued
         after this worker was given up for lost) is killed. Returns the outcome when it ended early."""
         last_flush = time.monotonic()
-        pause_deadline: float | None = None
+        stop_deadline: float | None = None
         done = False
         while not done:
             try:
@@ -274,17 +280,22 @@ class Execution:
                 if status == JobStatus.cancelled:
                     _signal(proc, signal.SIGKILL)
                     return Outcome(JobStatus.cancelled)
-                if status == JobStatus.paused and pause_deadline is None:
-                    _signal(proc, signal.SIGTERM)  # checkpoint, then exit 3; its events keep coming
-                    pause_deadline = time.monotonic() + self.settings.pause_grace_seconds
-                elif status not in (JobStatus.running, JobStatus.paused):
+                if status not in (JobStatus.running, JobStatus.paused):
                     _signal(proc, signal.SIGKILL)
                     return Outcome(None)
-            if pause_deadline is not None and time.monotonic() > pause_deadline:
-                self.relay.message(
-                    "the trainer did not checkpoint in time to pause; stopped it", level="warn"
-                )
+                draining = DRAINING.is_set()
+                if (status == JobStatus.paused or draining) and stop_deadline is None:
+                    _signal(proc, signal.SIGTERM)  # checkpoint, then exit 3; its events keep coming
+                    stop_deadline = time.monotonic() + self.settings.pause_grace_seconds
+                    self.drained = draining
+                    if draining:
+                        self.relay.message(
+                            f"Worker {WORKER} is shutting down: checkpointing to go on elsewhere"
+                        )
+            if stop_deadline is not None and time.monotonic() > stop_deadline:
+                self.relay.message("the trainer did not checkpoint in time; stopped it", level="warn")
                 _signal(proc, signal.SIGKILL)
+                stop_deadline = float("inf")
         return None
 
     def _handle(self, event: dict[str, Any]) -> None:
@@ -391,6 +402,19 @@ def _finish(settings: Settings, job: Job, outcome: Outcome) -> None:
                 worker=None,
             ):
                 events.add(job.id, f"The job failed: {(outcome.error or {}).get('message')}", level="error")
+        elif outcome.status == JobStatus.queued:  # this worker is shutting down; the job goes on elsewhere
+            latest = CheckpointRepository(session).latest(job.id)
+            if jobs.transition(
+                job.id, JobStatus.queued, only_from=running, on_attempt=attempt, worker=None, enqueued_at=None
+            ):
+                where = f"the checkpoint at step {latest.step}" if latest else "the start"
+                events.add(
+                    job.id,
+                    f"Requeued from {where}: worker {WORKER} shut down",
+                    data={"checkpoint_step": latest.step if latest else None},
+                )
+                job_id = job.id
+                on_commit(session, lambda: enqueue_job(settings, job_id))
         elif outcome.status == JobStatus.paused:
             latest = CheckpointRepository(session).latest(job.id)
             where = f"the checkpoint at step {latest.step}" if latest else "the start (no checkpoint yet)"

@@ -5,10 +5,12 @@ const POLL_MS = 2000;
 const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 const CHART_SERIES = ["train_loss", "eval_loss"];
 
-// An API key, once tenants exist, is kept in localStorage under "ortune.api_key" and sent as a bearer token.
+// Where the deployment requires API keys, a 401 shows a key form; the key is kept in localStorage under
+// "ortune.api_key" and sent as a bearer token.
 async function api(path) {
   const key = localStorage.getItem("ortune.api_key");
   const res = await fetch(path, { headers: key ? { Authorization: `Bearer ${key}` } : {} });
+  if (res.status === 401) document.getElementById("key-form").hidden = false;
   if (!res.ok) {
     let message = `${res.status} ${res.statusText}`;
     try { message = (await res.json()).error.message; } catch (_) { /* not our error shape */ }
@@ -48,6 +50,12 @@ function progressBar(progress) {
   setProgress(bar, progress);
   return bar;
 }
+
+document.getElementById("key-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  localStorage.setItem("ortune.api_key", document.getElementById("key-input").value.trim());
+  location.reload();
+});
 
 function showPollState(error) {
   const poll = document.getElementById("poll");
