@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -67,7 +68,7 @@ def postgres(tmp: Path) -> Iterator[str]:
     try:
         yield cluster.url
     finally:
-        cluster.stop()
+        cluster.remove()
 
 
 class PostgresCluster:
@@ -83,11 +84,13 @@ class PostgresCluster:
                 "(apt install postgresql, or set ORTUNE_TEST_POSTGRES_URL)"
             )
         self.initdb, self.pg_ctl = initdb, str(Path(initdb).with_name("pg_ctl"))
-        self.data, self.port = tmp / "pgdata", free_port()
+        # Under /tmp itself, not pytest's folder: the postgres user cannot enter root's 0700 folders.
+        self.root = Path(tempfile.mkdtemp(prefix="ortune-pg-"))
+        self.data, self.port = self.root / "pgdata", free_port()
         self.prefix: list[str] = []
         self.data.mkdir()
         if os.geteuid() == 0:
-            shutil.chown(tmp, "postgres")
+            shutil.chown(self.root, "postgres")
             shutil.chown(self.data, "postgres")
             self.prefix = ["runuser", "-u", "postgres", "--"]
         subprocess.run(
@@ -124,6 +127,10 @@ class PostgresCluster:
             [*self.prefix, self.pg_ctl, "-D", str(self.data), "-m", "immediate", "-w", "stop"],
             capture_output=True,
         )
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def create_database(server: str, name: str, template: str | None = None) -> str:

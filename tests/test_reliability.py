@@ -326,4 +326,4 @@ def test_api_answers_503_while_the_database_is_down_and_recovers(tmp_path: Path)
             )
             assert back.json()["data"][0]["id"] == job.json()["id"]  # nothing lost
     finally:
-        cluster.stop()
+        cluster.remove()

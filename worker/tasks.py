@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from celery import shared_task
+from celery.exceptions import Reject
 
 from ortune.queue import ADVANCE_SEARCH, RUN_JOB
 from ortune.settings import get_settings
@@ -15,6 +16,8 @@ log = logging.getLogger(__name__)
 
 @shared_task(name=RUN_JOB, acks_late=True, ignore_result=True)
 def run_job(job_id: str) -> None:
+    if runner.DRAINING.is_set():  # shutting down: leave the message to another worker
+        raise Reject("this worker is shutting down", requeue=True)
     outcome = runner.run(get_settings(), job_id)
     log.info("job %s: %s", job_id, outcome)
 
