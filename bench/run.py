@@ -12,6 +12,7 @@ BENCHMARKS = [
     "bench.api_load",
     "bench.artifact_io",
     "bench.metrics_ingest",
+    "bench.reliability",
 ]
 
 

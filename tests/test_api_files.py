@@ -147,3 +147,17 @@ def test_file_in_use_cannot_be_deleted(client: TestClient, train_file: dict[str,
     response = client.delete(f"/v1/files/{train_file['id']}")
     assert response.status_code == 409 and response.json()["error"]["code"] == "file_in_use"
     assert client.get(f"/v1/files/{train_file['id']}").json()["status"] == "processed"
+
+
+def test_malformed_multipart_is_400_not_500(client: TestClient) -> None:
+    boundary = "7c5156fb04a2177cf9e322ad31ebde44"  # a body schemathesis found: a part with no headers
+    response = client.post(
+        "/v1/files",
+        content=f"--{boundary}\r\nNone--{boundary}--\r\n".encode(),
+        headers={"content-type": f"multipart/form-data; boundary={boundary}"},
+    )
+    assert response.status_code == 400
+    assert (
+        response.json()["error"]["code"] == "invalid_upload"
+        and "malformed" in response.json()["error"]["message"]
+    )

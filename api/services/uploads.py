@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Request
+from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from api.errors import APIError, PayloadTooLarge
@@ -130,9 +131,14 @@ async def receive(request: Request, workdir: Path, limit: int) -> Upload:
     }
     parser = MultipartParser(options[b"boundary"], callbacks)
     try:
-        async for chunk in request.stream():
-            parser.write(chunk)
-        parser.finalize()
+        try:
+            async for chunk in request.stream():
+                parser.write(chunk)
+            parser.finalize()
+        except MultipartParseError as exc:
+            raise APIError(
+                f"the multipart body is malformed: {exc}", param="file", code="invalid_upload"
+            ) from exc
     except BaseException:
         parts.close()
         if parts.upload.path is not None:
