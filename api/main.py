@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from api import errors
 from api.auth import KeyCache
 from api.observability import JobCollector, RequestMetrics
-from api.routes import admin, dashboard, files, health, jobs, models
+from api.routes import admin, dashboard, files, health, jobs, models, nodes
 from ortune import __version__
 from ortune.settings import Settings, get_settings
 from ortune.storage import open_store
@@ -45,7 +45,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics.register(JobCollector(settings.database_url))
     app.add_middleware(RequestMetrics, registry=app.state.metrics)
     errors.install(app)
-    for module in (files, jobs, models, admin, health, dashboard):
+    for module in (files, jobs, models, admin, nodes, health, dashboard):
         app.include_router(module.router)
     app.mount("/dashboard/static", StaticFiles(directory=dashboard.STATIC), name="dashboard-static")
     return app

@@ -171,6 +171,7 @@ class FineTuningJob(BaseModel):
     hyperparameter_search: dict[str, Any] | None = None
     parent_job_id: str | None = None
     search_params: dict[str, Any] | None = None
+    distributed: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, job: Job) -> FineTuningJob:
@@ -206,6 +207,7 @@ class FineTuningJob(BaseModel):
             hyperparameter_search=job.spec.get("hyperparameter_search"),
             parent_job_id=job.parent_id,
             search_params=job.spec.get("search_params"),
+            distributed=job.spec.get("distributed"),
         )
 
 

@@ -82,7 +82,7 @@ def worker_command(settings: Settings, name: str = "") -> list[str]:
         "worker.celery_app",
         "worker",
         "-Q",
-        settings.queue,
+        f"{settings.queue},{settings.node_queue}",
         "--pool",
         "solo",
         "--concurrency",

@@ -22,6 +22,8 @@ from ortune.settings import Settings, get_settings
 
 RUN_JOB = "ortune.run_job"
 ADVANCE_SEARCH = "ortune.advance_search"
+DISPATCH = "ortune.dispatch"
+RUN_RANK = "ortune.run_rank"
 log = logging.getLogger(__name__)
 
 
@@ -66,6 +68,17 @@ def enqueue_search(settings: Settings, job_id: str) -> None:
     app = celery_app(settings.broker_url, settings.queue)
     app.send_task(ADVANCE_SEARCH, args=[job_id], queue=settings.queue)
     _mark_enqueued(settings, job_id)
+
+
+def enqueue_dispatch(settings: Settings, job_id: str) -> None:
+    """Ask any worker to place queued multi-process jobs on free devices (worker/scheduler.py)."""
+    celery_app(settings.broker_url, settings.queue).send_task(DISPATCH, args=[job_id], queue=settings.queue)
+    _mark_enqueued(settings, job_id)
+
+
+def send_rank(settings: Settings, node_queue: str, rank: dict[str, Any]) -> None:
+    """One node's part of a multi-process job, on that node's own queue."""
+    celery_app(settings.broker_url, settings.queue).send_task(RUN_RANK, args=[rank], queue=node_queue)
 
 
 def _mark_enqueued(settings: Settings, job_id: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -63,6 +64,13 @@ class Settings(BaseSettings):
     requeue_after_seconds: float = 300.0
     pause_grace_seconds: float = 120.0  # for the trainer to checkpoint and exit when paused
 
+    # This worker's node, for multi-process jobs. Devices: CUDA GPUs when there are any, else `node_devices`
+    # CPU slots (default 1). The address is where the other nodes of a job reach rank 0 on this one.
+    node_name: str = Field(default_factory=socket.gethostname)
+    node_devices: int | None = Field(default=None, ge=1, le=1024)
+    node_address: str = "127.0.0.1"
+    distributed_timeout_seconds: int = Field(default=120, ge=10)  # a rank that stops answering fails the rest
+
     event_flush_seconds: float = 0.5
     event_batch_size: int = 200
     trainer_python: str = sys.executable
@@ -91,6 +99,10 @@ class Settings(BaseSettings):
     @property
     def api_key_required(self) -> bool:
         return self.require_api_key if self.require_api_key is not None else self.environment == "production"
+
+    @property
+    def node_queue(self) -> str:
+        return f"{self.queue}.node.{self.node_name}"
 
     @property
     def embedded(self) -> bool:

@@ -26,6 +26,7 @@ ADMIN_ONLY = {
     "/v1/admin/tenants",
     "/v1/admin/tenants/{tenant_id}/api_keys",
     "/v1/admin/api_keys/{key_id}",
+    "/v1/nodes",
 }
 LISTS = {"/v1/files", "/v1/fine_tuning/jobs", "/v1/models"}
 

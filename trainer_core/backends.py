@@ -56,6 +56,11 @@ def choose(spec: TrainingSpec, *, cuda: bool) -> BackendChoice:
         choice = BackendChoice("torch", "torch")
     elif problem:
         choice = BackendChoice("auto", "torch", f"fell back to PyTorch: {problem}")
+    elif spec.backend == "auto" and spec.distributed.world_size > 1:
+        # every rank timing its own steps could pick differently, and mixed backends would deadlock
+        choice = BackendChoice(
+            "auto", "torch", "auto runs PyTorch for multi-process jobs; ask for ort to use it"
+        )
     else:
         choice = BackendChoice(spec.backend, "ort" if spec.backend == "ort" else "measure")
     return _with_optimizer(choice, spec.optim, cuda=cuda)

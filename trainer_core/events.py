@@ -34,6 +34,11 @@ class EventStream:
         sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
         return cls(os.fdopen(events_fd, "w", buffering=1))
 
+    @classmethod
+    def silent(cls) -> EventStream:
+        """For ranks other than 0 of a multi-process job: rank 0 speaks for the job."""
+        return cls(open(os.devnull, "w"))
+
     def emit(self, type: str, **fields: Any) -> None:
         record = {"type": type, "time": time.time(), **{k: _clean(v) for k, v in fields.items()}}
         self.out.write(json.dumps(record, default=str) + "\n")

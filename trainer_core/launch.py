@@ -111,6 +111,8 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
         after = done[-1] if done else hf_trainer.evaluate()
         final |= {k: float(v) for k, v in after.items() if k in ("eval_loss", "eval_accuracy")}
 
+    if rank() != 0:
+        return  # rank 0 saves, exports and reports for the whole job
     if choice.used == "ort":
         nodes = ort_trainer.training_graph_nodes(hf_trainer.ort_module)  # type: ignore[arg-type]
         final["ort_training_graph_nodes"] = nodes
@@ -145,6 +147,25 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     )
 
 
+def _die_with_launcher() -> None:
+    """torchrun starts each rank in a session of its own, so a worker killing torchrun's process group
+    would leave the ranks training on: each rank asks the kernel to kill it when torchrun goes."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() == 1:  # torchrun was already gone
+        os._exit(1)
+
+
+def rank() -> int:
+    """This process's global rank under torchrun (0 when it runs alone)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def _report_backend(events: EventStream, choice: Any) -> None:
     events.emit(
         "backend",
@@ -168,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        _die_with_launcher()
     events = EventStream.take_stdout()
+    if rank() != 0:
+        events = EventStream.silent()
     stop = StopOnRequest().install()
     from trainer_core.backends import BackendUnavailable
     from trainer_core.export import ExportError

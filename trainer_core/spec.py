@@ -97,6 +97,7 @@ class TrainingSpec(Strict):
     seed: int = 42
     checkpoint_every_steps: Annotated[int, Field(ge=1)] | None = None
     resume_from: str | None = None
+    distributed_timeout_seconds: int = 120
     distributed: Distributed = Distributed()
 
     @model_validator(mode="after")

@@ -33,11 +33,14 @@ def training_arguments(
     if spec.precision == "fp16" and not cuda:
         raise SpecError("precision fp16 needs a CUDA GPU; this worker has none (use fp32 or bf16)")
     every = spec.checkpoint_every_steps
+    world = spec.distributed.world_size
+    if hp.batch_size % world:
+        raise SpecError(f"batch_size {hp.batch_size} does not split over {world} processes; use a multiple")
     return ORTTrainingArguments(
         use_ort=choice.used == "ort",
         ort_optim=choice.ort_optim,
         output_dir=str(Path(spec.output_dir) / "checkpoints"),
-        per_device_train_batch_size=hp.batch_size,
+        per_device_train_batch_size=hp.batch_size // world,  # batch_size is the global batch
         per_device_eval_batch_size=max(hp.batch_size, 16),
         gradient_accumulation_steps=hp.gradient_accumulation_steps,
         num_train_epochs=hp.n_epochs,
@@ -62,7 +65,29 @@ def training_arguments(
         disable_tqdm=True,
         dataloader_num_workers=0,
         remove_unused_columns=False,
+        ddp_backend=None if world == 1 else ("nccl" if cuda else "gloo"),
+        # The Trainer scales each rank's loss by the world size, assuming the model divides a summed loss
+        # by the tokens of the whole global batch. The causal-LM losses do; a classifier's loss is already a
+        # mean, and scaling it doubled the loss and the gradients on 2 processes (tests/test_distributed.py).
+        average_tokens_across_devices=spec.task == "causal-lm",
+        ddp_timeout=spec.distributed_timeout_seconds,
+        deepspeed=zero1_config(spec) if spec.distributed.strategy == "zero1" and world > 1 else None,
     )
+
+
+def zero1_config(spec: TrainingSpec) -> dict[str, Any]:
+    """DeepSpeed ZeRO stage 1: optimizer states sharded over the ranks. `torch_adam` keeps DeepSpeed from
+    compiling its CPU Adam; "auto" takes batch, accumulation, learning rate and clipping from the Trainer."""
+    return {
+        "zero_optimization": {"stage": 1},
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
+        "bf16": {"enabled": spec.precision == "bf16"},
+        "fp16": {"enabled": spec.precision == "fp16"},
+    }
 
 
 def build(

@@ -13,6 +13,7 @@ from ortune.settings import get_settings
 app = celery_app()
 
 import worker.tasks  # noqa: E402,F401  (registers the tasks on app)
+from worker import distributed  # noqa: E402
 from worker.runner import DRAINING  # noqa: E402
 from worker.sweep import Sweeper  # noqa: E402
 
@@ -21,6 +22,7 @@ _sweeper: list[Sweeper] = []
 
 @worker_ready.connect
 def _start_sweep(**_: Any) -> None:
+    distributed.register(get_settings())
     sweeper = Sweeper(get_settings())
     sweeper.start()
     _sweeper.append(sweeper)

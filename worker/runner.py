@@ -27,11 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from ortune.db.base import new_id, utcnow
-from ortune.db.models import Artifact, Checkpoint, File, Job, JobStatus
+from ortune.db.models import Artifact, Assignment, Checkpoint, File, Job, JobStatus, Node
 from ortune.db.repositories import ArtifactRepository, CheckpointRepository, EventRepository, JobRepository
 from ortune.db.session import session_scope
+from ortune.nodes import NodeRepository
 from ortune.queue import enqueue_job, enqueue_search, on_commit
 from ortune.settings import Settings
 from ortune.storage import ObjectStore, open_store, sha256_file
@@ -103,8 +106,8 @@ def _claim(settings: Settings, job_id: str) -> tuple[Job, File, File | None] | N
     with session_scope(settings.database_url) as session:
         jobs = JobRepository(session)
         job = jobs.get(job_id, for_update=True)
-        if job is None or job.status != JobStatus.queued:
-            return None
+        if job is None or job.status != JobStatus.queued or job.world_size > 1:
+            return None  # a multi-process job is the scheduler's (worker/scheduler.py)
         attempt = job.attempt + 1
         if not jobs.transition(
             job_id,
@@ -115,6 +118,10 @@ def _claim(settings: Settings, job_id: str) -> tuple[Job, File, File | None] | N
             heartbeat_at=utcnow(),
             worker=WORKER,
         ):
+            return None
+        if not _take_device(session, settings, job_id, attempt):
+            session.rollback()  # stays queued; the sweep sends it again once a device is free
+            jobs.update(job_id, enqueued_at=None)
             return None
         EventRepository(session).add(
             job_id,
@@ -128,8 +135,37 @@ def _claim(settings: Settings, job_id: str) -> tuple[Job, File, File | None] | N
         return job, train, valid
 
 
-def _stage(settings: Settings, store: ObjectStore, job: Job, train: File, valid: File | None) -> TrainingSpec:
-    workdir = settings.job_work_dir / job.id / f"attempt-{job.attempt}"
+def _take_device(session: Session, settings: Settings, job_id: str, attempt: int) -> bool:
+    """Account for the device this attempt uses on this worker's node, so the scheduler does not place
+    a multi-process job's rank on it meanwhile. False when every device of the node is held."""
+    node = session.get(Node, settings.node_name)
+    if node is None:  # not a registered node (a job run by hand): nothing to account for
+        return True
+    taken = {a.device for a in NodeRepository(session).live_assignments([node.name])}
+    free = [d for d in range(node.devices) if d not in taken]
+    if not free:
+        return False
+    try:
+        with session.begin_nested():
+            session.add(
+                Assignment(job_id=job_id, attempt=attempt, node_name=node.name, node_rank=0, device=free[0])
+            )
+    except IntegrityError:  # the scheduler gave it away a moment ago
+        return False
+    return True
+
+
+def _stage(
+    settings: Settings,
+    store: ObjectStore,
+    job: Job,
+    train: File,
+    valid: File | None,
+    workdir: Path | None = None,
+    *,
+    upload_spec: bool = True,
+) -> TrainingSpec:
+    workdir = workdir or settings.job_work_dir / job.id / f"attempt-{job.attempt}"
     data = workdir / "data"
     fmt = rows.file_format(train.object_key) or "jsonl"
     store.get_to_path(train.object_key, data / f"train.{fmt}")
@@ -158,10 +194,16 @@ def _stage(settings: Settings, store: ObjectStore, job: Job, train: File, valid:
         checkpoint_every_steps=s.get("checkpoint_every_steps"),
         distributed=s["distributed"],
         resume_from=resume_from,
+        distributed_timeout_seconds=settings.distributed_timeout_seconds,
     )
     spec.dump(workdir / "spec.json")
-    store.put_path(f"jobs/{job.id}/spec.json", workdir / "spec.json")
+    if upload_spec:
+        store.put_path(f"jobs/{job.id}/spec.json", workdir / "spec.json")
     return spec
+
+
+def trainer_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _resume_point(settings: Settings, store: ObjectStore, job: Job, workdir: Path) -> str | None:
@@ -191,7 +233,7 @@ def _resume_point(settings: Settings, store: ObjectStore, job: Job, workdir: Pat
     return str(found)
 
 
-def _signal(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
+def _signal(proc: subprocess.Popen[Any], sig: signal.Signals) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
@@ -200,9 +242,24 @@ def _signal(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
 class Execution:
     """One attempt's subprocess and the handling of what it reports."""
 
-    def __init__(self, settings: Settings, store: ObjectStore, job: Job, spec: TrainingSpec) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        store: ObjectStore,
+        job: Job,
+        spec: TrainingSpec,
+        command: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.settings, self.store, self.job, self.spec = settings, store, job, spec
         self.workdir = Path(spec.output_dir).parent
+        self.command = command or [
+            settings.trainer_python,
+            "-m",
+            "trainer_core.launch",
+            str(self.workdir / "spec.json"),
+        ]
+        self.extra_env = env or {}
         self.relay = Relay(settings.database_url, job.id, job.attempt)
         self.artifacts: set[str] = set()
         self.result: dict[str, Any] | None = None
@@ -211,15 +268,10 @@ class Execution:
 
     def run(self) -> Outcome:
         log_path = self.workdir / "trainer.log"
-        env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
+        env = {**trainer_env(), **self.extra_env}
         with log_path.open("w") as log_file:
             proc = subprocess.Popen(
-                [self.settings.trainer_python, "-m", "trainer_core.launch", str(self.workdir / "spec.json")],
+                self.command,
                 stdout=subprocess.PIPE,
                 stderr=log_file,
                 text=True,
@@ -457,6 +509,9 @@ def run(settings: Settings, job_id: str) -> str:
     finally:
         heartbeat.stop()
     _finish(settings, job, outcome)
+    with session_scope(settings.database_url) as session:
+        code = 0 if outcome.status == JobStatus.succeeded else 1
+        NodeRepository(session).release(job.id, job.attempt, settings.node_name, exit_code=code)
     return outcome.status.value if outcome.status else "superseded"
 
 

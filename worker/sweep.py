@@ -26,8 +26,10 @@ from ortune.db.base import utcnow
 from ortune.db.models import IdempotencyKey, Job, JobStatus
 from ortune.db.repositories import CheckpointRepository, EventRepository, JobRepository
 from ortune.db.session import session_scope
-from ortune.queue import enqueue_job, enqueue_search, on_commit
+from ortune.nodes import NodeRepository
+from ortune.queue import enqueue_dispatch, enqueue_job, enqueue_search, on_commit
 from ortune.settings import Settings
+from worker import scheduler
 
 log = logging.getLogger(__name__)
 FRESH_S = 10.0  # a job queued this recently may still be on its way to the broker
@@ -46,6 +48,7 @@ def _lost(session: Session, settings: Settings, job: Job, report: Report) -> Non
     silent = (utcnow() - job.heartbeat_at).total_seconds() if job.heartbeat_at else float("inf")
     latest = CheckpointRepository(session).latest(job.id)
     lost = job.lost_attempts + 1
+    NodeRepository(session).release_attempt(job.id, job.attempt)  # its devices are free again
     said = f"Attempt {job.attempt} lost: worker {job.worker} sent no heartbeat for {silent:.0f}s"
     data = {
         "attempt": job.attempt,
@@ -87,8 +90,8 @@ def _lost(session: Session, settings: Settings, job: Job, report: Report) -> Non
             level="warn",
             data=data,
         )
-        job_id = job.id
-        on_commit(session, lambda: enqueue_job(settings, job_id))
+        job_id, send = job.id, enqueue_dispatch if job.world_size > 1 else enqueue_job
+        on_commit(session, lambda: send(settings, job_id))
         report.requeued.append(job.id)
 
 
@@ -127,7 +130,7 @@ def sweep(settings: Settings) -> Report:
                 continue
             job.enqueued_at = now  # until the send after commit stamps it again
             job_id = job.id
-            send = enqueue_search if search else enqueue_job
+            send = enqueue_search if search else enqueue_dispatch if job.world_size > 1 else enqueue_job
             on_commit(session, lambda send=send, job_id=job_id: send(settings, job_id))  # type: ignore[misc]
             report.resent.append(job.id)
 
@@ -141,7 +144,8 @@ def sweep(settings: Settings) -> Report:
 
 
 class Sweeper(threading.Thread):
-    """Runs `sweep` every `sweep_seconds` beside the worker's tasks, until stopped."""
+    """Every `sweep_seconds` beside the worker's tasks, until stopped: beat this node's heartbeat, sweep,
+    and place waiting multi-process jobs."""
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(daemon=True, name="ortune-sweep")
@@ -151,7 +155,10 @@ class Sweeper(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(self.settings.sweep_seconds):
             try:
+                with session_scope(self.settings.database_url) as session:
+                    NodeRepository(session).beat(self.settings.node_name)
                 sweep(self.settings)
+                scheduler.dispatch(self.settings)
             except Exception:  # the database is down: try again next round
                 log.warning("sweep failed", exc_info=True)
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from celery import shared_task
 from celery.exceptions import Reject
 
-from ortune.queue import ADVANCE_SEARCH, RUN_JOB
+from ortune.queue import ADVANCE_SEARCH, DISPATCH, RUN_JOB, RUN_RANK
 from ortune.settings import get_settings
-from worker import runner, search
+from worker import distributed, runner, scheduler, search
 
 log = logging.getLogger(__name__)
 
@@ -26,3 +27,15 @@ def run_job(job_id: str) -> None:
 def advance_search(job_id: str) -> None:
     outcome = search.advance(get_settings(), job_id)
     log.info("search %s: %s", job_id, outcome)
+
+
+@shared_task(name=DISPATCH, acks_late=True, ignore_result=True)
+def dispatch(job_id: str) -> None:
+    started = scheduler.dispatch(get_settings())
+    log.info("dispatch (nudged by %s): started %s", job_id, started or "nothing")
+
+
+@shared_task(name=RUN_RANK, acks_late=True, ignore_result=True)
+def run_rank(task: dict[str, Any]) -> None:
+    outcome = distributed.run_rank(get_settings(), task)
+    log.info("job %s node rank %s: %s", task.get("job_id"), task.get("node_rank"), outcome)

@@ -13,7 +13,8 @@ from ortune import search
 from ortune.db.base import new_id, utcnow
 from ortune.db.models import File, FileStatus, Job, JobStatus
 from ortune.db.repositories import EventRepository, FileRepository, JobRepository
-from ortune.queue import enqueue_job, enqueue_search, on_commit
+from ortune.nodes import NodeRepository, never_fits
+from ortune.queue import enqueue_dispatch, enqueue_job, enqueue_search, on_commit
 from ortune.settings import Settings
 from ortune.tenancy import Caller, TenantRepository
 from trainer_core import registry, rows
@@ -86,14 +87,7 @@ def create(
             param="hyperparameters.max_steps",
             code="limit_exceeded",
         )
-    dist = req.distributed
-    if dist is not None and dist.world_size > 1:
-        raise APIError(
-            "multi-process training needs the node scheduler, which this deployment does not run "
-            "yet; use nodes=1, procs_per_node=1",
-            param="distributed",
-            code="unsupported",
-        )
+    dist = req.distributed or Distributed()
 
     spec: dict[str, Any] = {
         "task": task,
@@ -102,9 +96,11 @@ def create(
         "optim": req.optim,
         "precision": req.precision,
         "checkpoint_every_steps": req.checkpoint_every_steps,
-        "distributed": (dist or Distributed()).model_dump(mode="json"),
+        "distributed": dist.model_dump(mode="json"),
     }
     spec = search.with_hyperparameters(spec, hp, train.row_count)
+    if dist.world_size > 1:
+        _check_fits(session, dist, spec, req.hyperparameter_search is not None)
     if req.hyperparameter_search is not None:
         spec["hyperparameter_search"] = _checked_search(req.hyperparameter_search, valid is not None)
     _check_quota(session, settings, caller)
@@ -122,14 +118,43 @@ def create(
         user_metadata=req.metadata,
         priority=req.priority,
         backend_requested=req.backend,
+        world_size=dist.world_size,
     )
     JobRepository(session).add(job)
     EventRepository(session).add(job.id, f"Created fine-tuning job {job.id}: {task} on {model.id}")
-    if req.hyperparameter_search is None:
-        on_commit(session, lambda: enqueue_job(settings, job.id))
-    else:
-        on_commit(session, lambda: enqueue_search(settings, job.id))
+    send = (
+        enqueue_search
+        if req.hyperparameter_search
+        else enqueue_dispatch
+        if dist.world_size > 1
+        else enqueue_job
+    )
+    on_commit(session, lambda: send(settings, job.id))
     return job
+
+
+def _check_fits(session: Session, dist: Distributed, spec: dict[str, Any], search: bool) -> None:
+    """Refuse at once what can never run here; what cannot run now waits in `queued`."""
+    if search:
+        raise APIError(
+            "a hyperparameter search runs single-process trials; drop distributed or the search",
+            param="distributed",
+            code="unsupported",
+        )
+    resolved = spec["resolved_hyperparameters"]
+    if spec["requested_hyperparameters"].get("batch_size") is None:  # auto: the next multiple
+        resolved["batch_size"] = -(-resolved["batch_size"] // dist.world_size) * dist.world_size
+    batch_size = resolved["batch_size"]
+    if batch_size % dist.world_size:
+        raise APIError(
+            f"batch_size {batch_size} (the global batch) does not split over {dist.world_size} processes; "
+            "use a multiple",
+            param="hyperparameters.batch_size",
+            code="invalid_batch_size",
+        )
+    reason = never_fits(NodeRepository(session).all(), dist.nodes, dist.procs_per_node)
+    if reason is not None:
+        raise APIError(f"this job can never be placed: it {reason}", param="distributed", code="cannot_fit")
 
 
 def _check_quota(session: Session, settings: Settings, caller: Caller) -> None:
@@ -192,6 +217,13 @@ def pause(session: Session, settings: Settings, caller: Caller, job_id: str) -> 
     if job.spec.get("hyperparameter_search") is not None or job.parent_id is not None:
         raise Conflict(
             "a hyperparameter search and its trials cannot be paused; cancel the search instead",
+            param="fine_tuning_job_id",
+            code="job_not_pausable",
+        )
+    if job.world_size > 1:
+        raise Conflict(
+            "pausing a multi-process job is not supported yet (its ranks would have to checkpoint together); "
+            "cancel it, or let a lost attempt resume from its last checkpoint",
             param="fine_tuning_job_id",
             code="job_not_pausable",
         )

@@ -6,7 +6,7 @@ import enum
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Boolean, Enum, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import Boolean, Enum, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from ortune.db.base import Base, BigIntId, JSONType, UTCDateTime, utcnow
@@ -152,6 +152,8 @@ class Job(Base):
     enqueued_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # Attempts lost with their worker (no heartbeat); the sweep gives up at the max_attempts setting.
     lost_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Processes the job trains with (distributed.nodes x procs_per_node); above 1, the scheduler places it.
+    world_size: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     # A hyperparameter search's trials are jobs whose parent is the search job.
     parent_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
 
@@ -208,3 +210,49 @@ class Artifact(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     manifest: Mapped[dict[str, Any]] = mapped_column(JSONType)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Node(Base):
+    """A machine a worker runs on, with its devices (CUDA GPUs, or CPU slots where there is none)."""
+
+    __tablename__ = "nodes"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    device_kind: Mapped[str] = mapped_column(String(8))  # cuda | cpu
+    devices: Mapped[int] = mapped_column(Integer)
+    address: Mapped[str] = mapped_column(String(255))  # where the other nodes of a job reach its rank 0
+    queue: Mapped[str] = mapped_column(String(255))  # the worker's own queue, for the tasks of its ranks
+    worker: Mapped[str] = mapped_column(String(255))
+    registered_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Assignment(Base):
+    """One device of one node given to one attempt of a job, at one node rank, until released.
+
+    The partial unique index is the last word on double-booking: whatever a scheduler believes, the database
+    refuses a second live assignment of the same device."""
+
+    __tablename__ = "assignments"
+    __table_args__ = (
+        Index(
+            "uq_assignments_live_device",
+            "node_name",
+            "device",
+            unique=True,
+            postgresql_where=text("released_at IS NULL"),
+            sqlite_where=text("released_at IS NULL"),
+        ),
+        Index("ix_assignments_job_id_attempt", "job_id", "attempt"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    node_name: Mapped[str] = mapped_column(ForeignKey("nodes.name", ondelete="CASCADE"))
+    node_rank: Mapped[int] = mapped_column(Integer)
+    device: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    released_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)

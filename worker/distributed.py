@@ -1,0 +1,193 @@
+"""This worker's node, and its part of a multi-process job: one `torchrun` per assigned node.
+
+Rank 0's node relays the job's events (only global rank 0 emits them), stores checkpoints and models and
+sets the job's status, as a single-process attempt does. Every other node runs its ranks and watches the
+job: a job that stops running (cancelled, failed on another node, requeued) kills its ranks. Each node
+releases its devices when its ranks exit and records their exit code and, on failure, the end of its log,
+so the job's error names the rank that failed first rather than the ranks that lost it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from ortune.db.models import File, Job, JobStatus
+from ortune.db.repositories import EventRepository, JobRepository
+from ortune.db.session import session_scope
+from ortune.nodes import NodeRepository
+from ortune.settings import Settings
+from worker import runner
+
+log = logging.getLogger(__name__)
+FIRST_FAILURE_WAIT_S = 15.0  # how long rank 0 waits for the other nodes to report how their ranks ended
+
+
+def register(settings: Settings) -> None:
+    """Record this worker's node and devices (CUDA GPUs through torch, else `node_devices` CPU slots)."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    kind, devices = ("cuda", gpus) if gpus else ("cpu", 1)
+    if settings.node_devices is not None:
+        devices = settings.node_devices
+    with session_scope(settings.database_url) as session:
+        NodeRepository(session).register(
+            settings.node_name,
+            kind=kind,
+            devices=devices,
+            address=settings.node_address,
+            queue=settings.node_queue,
+            worker=runner.WORKER,
+        )
+    log.info("node %s: %d %s device(s), queue %s", settings.node_name, devices, kind, settings.node_queue)
+
+
+def _torchrun(settings: Settings, task: dict[str, Any], spec_path: Path) -> list[str]:
+    return [
+        settings.trainer_python,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={task['nnodes']}",
+        f"--nproc_per_node={task['nproc_per_node']}",
+        f"--node_rank={task['node_rank']}",
+        f"--master_addr={task['master_addr']}",
+        f"--master_port={task['master_port']}",
+        "--max_restarts=0",  # a failed rank fails the attempt; the sweep decides about another
+        "-m",
+        "trainer_core.launch",
+        str(spec_path),
+    ]
+
+
+def _env(settings: Settings, task: dict[str, Any]) -> dict[str, str]:
+    devices = ",".join(str(d) for d in task["devices"])
+    return {
+        "CUDA_VISIBLE_DEVICES": devices,
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // int(task["nproc_per_node"]))),
+        # DeepSpeed compiles a communication extension on its first run (~30 s); the node keeps it
+        "TORCH_EXTENSIONS_DIR": str(settings.job_work_dir / "torch_extensions"),
+    }
+
+
+def _load(settings: Settings, job_id: str, attempt: int) -> tuple[Job, File, File | None] | None:
+    with session_scope(settings.database_url) as session:
+        job = JobRepository(session).get(job_id)
+        if job is None or job.attempt != attempt or job.status != JobStatus.running:
+            NodeRepository(session).release(
+                job_id, attempt, settings.node_name, exit_code=None, error="stale"
+            )
+            return None
+        train = session.get(File, job.training_file_id)
+        valid = session.get(File, job.validation_file_id) if job.validation_file_id else None
+        assert train is not None
+        return job, train, valid
+
+
+def run_rank(settings: Settings, task: dict[str, Any]) -> str:
+    job_id, attempt, rank = task["job_id"], int(task["attempt"]), int(task["node_rank"])
+    loaded = _load(settings, job_id, attempt)
+    if loaded is None:
+        return "stale (the attempt moved on)"
+    job, train, valid = loaded
+    workdir = settings.job_work_dir / job.id / f"attempt-{attempt}" / f"node-{rank}"
+    store = runner._store(settings)
+    try:
+        spec = runner._stage(settings, store, job, train, valid, workdir, upload_spec=rank == 0)
+    except Exception as exc:
+        _released(settings, job_id, attempt, None, f"staging failed: {type(exc).__name__}: {exc}")
+        raise
+    command = _torchrun(settings, task, workdir / "spec.json")
+    if rank == 0:
+        return _lead(settings, store, job, spec, command, task)
+    return _follow(settings, job, workdir, command, task)
+
+
+def _released(settings: Settings, job_id: str, attempt: int, code: int | None, error: str | None) -> None:
+    with session_scope(settings.database_url) as session:
+        NodeRepository(session).release(job_id, attempt, settings.node_name, exit_code=code, error=error)
+
+
+def _lead(
+    settings: Settings, store: Any, job: Job, spec: Any, command: list[str], task: dict[str, Any]
+) -> str:
+    heartbeat = runner.Heartbeat(settings, job.id, job.attempt)
+    heartbeat.start()
+    try:
+        execution = runner.Execution(settings, store, job, spec, command=command, env=_env(settings, task))
+        outcome = execution.run()
+    except Exception as exc:
+        log.exception("job %s failed on rank 0", job.id)
+        outcome = runner.Outcome(
+            JobStatus.failed, {"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"}
+        )
+    finally:
+        heartbeat.stop()
+    code = 0 if outcome.status == JobStatus.succeeded else 1
+    _released(settings, job.id, job.attempt, code, (outcome.error or {}).get("message"))
+    if outcome.status == JobStatus.failed:
+        outcome = runner.Outcome(JobStatus.failed, _first_failure(settings, job, outcome.error))
+    runner._finish(settings, job, outcome)
+    return outcome.status.value if outcome.status else "superseded"
+
+
+def _first_failure(settings: Settings, job: Job, rank0_error: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The error of the node whose ranks failed first: the others mostly fail because it went away."""
+    deadline = time.monotonic() + FIRST_FAILURE_WAIT_S
+    while True:
+        with session_scope(settings.database_url) as session:
+            parts = NodeRepository(session).of_attempt(job.id, job.attempt)
+            pending = [a for a in parts if a.released_at is None]
+            failed = sorted(
+                (a for a in parts if a.exit_code not in (0, None) and a.node_rank != 0),
+                key=lambda a: a.released_at or a.created_at,
+            )
+            if failed or not pending or time.monotonic() > deadline:
+                break
+        time.sleep(0.5)
+    if not failed:
+        return rank0_error
+    first = failed[0]
+    return {
+        "code": "rank_failed",
+        "message": f"node rank {first.node_rank} on {first.node_name} failed (exit code {first.exit_code}) "
+        f"and took the attempt with it: {first.error}",
+    }
+
+
+def _follow(settings: Settings, job: Job, workdir: Path, command: list[str], task: dict[str, Any]) -> str:
+    log_path = workdir / "trainer.log"
+    with log_path.open("w") as out:
+        proc = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**runner.trainer_env(), **_env(settings, task)},
+            cwd=workdir,
+            start_new_session=True,
+            preexec_fn=runner._die_with_parent,
+        )
+        while proc.poll() is None:
+            time.sleep(1.0)
+            with session_scope(settings.database_url) as session:
+                status = JobRepository(session).status(job.id, attempt=job.attempt)
+            if status not in (JobStatus.running, JobStatus.paused):
+                runner._signal(proc, runner.signal.SIGKILL)
+        code = proc.wait()
+    error = None
+    if code != 0:
+        tail = "".join(deque(log_path.open(errors="replace"), maxlen=8)).strip()[-800:]
+        error = f"exit code {code}; last log lines: {tail}"
+        with session_scope(settings.database_url) as session:
+            EventRepository(session).add(
+                job.id,
+                f"Node rank {task['node_rank']} on {settings.node_name} failed: {error}",
+                level="error",
+            )
+    _released(settings, job.id, job.attempt, code, error)
+    return f"node rank {task['node_rank']}: exit code {code}"
