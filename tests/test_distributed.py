@@ -21,7 +21,7 @@ from api.main import create_app
 from ortune import embedded
 from ortune.client import Client
 from ortune.db.base import new_id
-from ortune.db.models import Assignment, File, FileStatus, Job, JobStatus
+from ortune.db.models import Assignment, Checkpoint, File, FileStatus, Job, JobStatus
 from ortune.db.session import session_scope
 from ortune.nodes import NodeRepository
 from ortune.settings import Settings
@@ -158,6 +158,11 @@ def test_a_job_that_can_never_fit_is_refused_at_submit(settings: Settings) -> No
             json=body | {"distributed": {"procs_per_node": 2}, "hyperparameters": {"batch_size": 7}},
         )
         assert odd.status_code == 400 and odd.json()["error"]["param"] == "hyperparameters.batch_size"
+        zero1_ort = client.post(
+            "/v1/fine_tuning/jobs",
+            json=body | {"backend": "ort", "distributed": {"procs_per_node": 2, "strategy": "zero1"}},
+        )
+        assert zero1_ort.status_code == 400 and zero1_ort.json()["error"]["param"] == "backend"
         fits = client.post("/v1/fine_tuning/jobs", json=body | {"distributed": {"procs_per_node": 2}})
         assert fits.status_code == 200 and fits.json()["distributed"]["procs_per_node"] == 2
         nodes = client.get("/v1/nodes").json()["data"]
@@ -167,20 +172,19 @@ def test_a_job_that_can_never_fit_is_refused_at_submit(settings: Settings) -> No
 # ---- real processes: two worker processes, two nodes, torchrun across them ---------------------------------
 
 
+def node_worker(settings: Settings, tmp: Path, name: str) -> subprocess.Popen[bytes]:
+    node = settings.model_copy(update={"node_name": name, "node_devices": 1})
+    with (tmp / f"{name}.log").open("ab") as log:
+        return subprocess.Popen(
+            embedded.worker_command(node, name=f"{name}-{time.monotonic_ns()}@%h"),
+            env=embedded.child_env(node),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
 def two_nodes(settings: Settings, tmp: Path) -> list[subprocess.Popen[bytes]]:
-    procs = []
-    for name in ("node-a", "node-b"):
-        node = settings.model_copy(update={"node_name": name, "node_devices": 1, "sweep_seconds": 0.5})
-        with (tmp / f"{name}.log").open("ab") as log:
-            procs.append(
-                subprocess.Popen(
-                    embedded.worker_command(node, name=f"{name}@%h"),
-                    env=embedded.child_env(node),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    return procs
+    return [node_worker(settings, tmp, name) for name in ("node-a", "node-b")]
 
 
 def wait_nodes(client: Client, n: int) -> None:
@@ -341,6 +345,61 @@ def test_killing_one_rank_fails_the_attempt_with_its_error(settings: Settings, t
                 p for p in psutil.process_iter(["cmdline"]) if job["id"] in " ".join(p.info["cmdline"] or [])
             ]
             assert not left, [p.info["cmdline"] for p in left]  # no orphan on either node
+        finally:
+            for w in workers:
+                w.terminate()
+            for w in workers:
+                w.wait(60)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("settings", ["production"], indirect=True)
+def test_zero1_job_resumes_on_all_nodes_after_its_rank0_worker_dies(
+    settings: Settings, tmp_path: Path
+) -> None:
+    s = settings.model_copy(
+        update={"sweep_seconds": 0.5, "heartbeat_seconds": 0.5, "heartbeat_timeout_seconds": 4.0}
+    )
+    with embedded.start(s, worker=False, log_dir=tmp_path / "logs"):
+        workers = two_nodes(s, tmp_path)
+        try:
+            client = Client(s.api_url)
+            wait_nodes(client, 2)
+            train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(32)))
+            total, every = 120, 20
+            job = client.create_job(
+                model="tiny-bert",
+                training_file=train["id"],
+                backend="torch",
+                seed=6,
+                checkpoint_every_steps=every,
+                hyperparameters={"max_steps": total, "batch_size": 8, "max_seq_length": 32},
+                distributed={"nodes": 2, "strategy": "zero1"},
+            )
+
+            def complete_checkpoints() -> list[int]:
+                with session_scope(s.database_url) as session:
+                    found = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job["id"])).all()
+                    return sorted(c.step for c in found if len(c.parts or []) == 1)
+
+            deadline = time.monotonic() + 300
+            while len(complete_checkpoints()) < 2:
+                assert time.monotonic() < deadline, "no complete checkpoints"
+                assert client.job(job["id"])["status"] == "running", client.job(job["id"])
+                time.sleep(0.3)
+            workers[0].kill()  # node-a held rank 0: its torchrun and ranks die with it
+            workers[0].wait()
+            workers[0] = node_worker(s, tmp_path, "node-a")  # the node comes back
+            done = wait_for(client, job["id"], TERMINAL, timeout=400)
+            assert done["status"] == "succeeded", done["error"]
+            assert done["attempt"] == 2
+            log = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", limit=100)["data"]
+            resumed = next(e for e in log if e["message"].startswith("Resuming from the checkpoint"))
+            assert resumed["data"]["resumed_from_step"] in complete_checkpoints()
+            assert resumed["data"]["resumed_from_step"] >= every
+            series = client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics", name="train_loss")["data"]
+            assert series["train_loss"]["steps"] == list(range(1, total + 1))
+            wait_released(client)
         finally:
             for w in workers:
                 w.terminate()

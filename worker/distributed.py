@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import time
 from collections import deque
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ortune.db.models import File, Job, JobStatus
-from ortune.db.repositories import EventRepository, JobRepository
+from ortune.db.repositories import CheckpointRepository, EventRepository, JobRepository
 from ortune.db.session import session_scope
 from ortune.nodes import NodeRepository
 from ortune.settings import Settings
@@ -160,6 +161,25 @@ def _first_failure(settings: Settings, job: Job, rank0_error: dict[str, Any] | N
     }
 
 
+def _upload_parts(settings: Settings, store: Any, job: Job, workdir: Path, rank: int) -> None:
+    """This node's part of each checkpoint rank 0 has recorded (its ranks' RNG state, under ZeRO their
+    optimizer shards), so that any node can resume the whole job from object storage."""
+    for path in sorted((workdir / "out" / "checkpoints").glob("checkpoint-*")):
+        step = int(path.name.rsplit("-", 1)[1])
+        with session_scope(settings.database_url) as session:
+            recorded = any(c.step == step for c in CheckpointRepository(session).newest_first(job.id))
+        if not recorded:
+            continue  # rank 0 is still saving (or uploading) it
+        key = f"jobs/{job.id}/checkpoints/step-{step}.node-{rank}.tar"
+        archive = workdir / f"part-{step}.tar"
+        runner._pack(path, archive)
+        store.put_path(key, archive)
+        archive.unlink()
+        with session_scope(settings.database_url) as session:
+            CheckpointRepository(session).add_part(job.id, step, key)
+        shutil.rmtree(path)  # stored; this node never reads it again
+
+
 def _follow(settings: Settings, job: Job, workdir: Path, command: list[str], task: dict[str, Any]) -> str:
     log_path = workdir / "trainer.log"
     with log_path.open("w") as out:
@@ -172,13 +192,17 @@ def _follow(settings: Settings, job: Job, workdir: Path, command: list[str], tas
             start_new_session=True,
             preexec_fn=runner._die_with_parent,
         )
+        store = runner._store(settings)
         while proc.poll() is None:
             time.sleep(1.0)
             with session_scope(settings.database_url) as session:
                 status = JobRepository(session).status(job.id, attempt=job.attempt)
             if status not in (JobStatus.running, JobStatus.paused):
                 runner._signal(proc, runner.signal.SIGKILL)
+            _upload_parts(settings, store, job, workdir, int(task["node_rank"]))
         code = proc.wait()
+        if code == 0:
+            _upload_parts(settings, store, job, workdir, int(task["node_rank"]))
     error = None
     if code != 0:
         tail = "".join(deque(log_path.open(errors="replace"), maxlen=8)).strip()[-800:]

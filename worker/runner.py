@@ -165,6 +165,8 @@ def _stage(
     *,
     upload_spec: bool = True,
 ) -> TrainingSpec:
+    """Download data, model and resume point into the attempt's folder; `upload_spec` is False on the
+    nodes of a multi-process job other than rank 0's, which speaks for the job."""
     workdir = workdir or settings.job_work_dir / job.id / f"attempt-{job.attempt}"
     data = workdir / "data"
     fmt = rows.file_format(train.object_key) or "jsonl"
@@ -173,7 +175,7 @@ def _stage(
     if valid is not None:
         store.get_to_path(valid.object_key, data / f"valid.{vfmt}")
     model = registry.resolve(job.model, settings.models_dir)
-    resume_from = _resume_point(settings, store, job, workdir)
+    resume_from = _resume_point(settings, store, job, workdir, lead=upload_spec)
     s = job.spec
     spec = TrainingSpec(
         job_id=job.id,
@@ -206,30 +208,40 @@ def trainer_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _resume_point(settings: Settings, store: ObjectStore, job: Job, workdir: Path) -> str | None:
-    """Fetch the job's latest stored checkpoint (model, optimizer, scheduler, RNG, step) to resume from."""
+def _resume_point(
+    settings: Settings, store: ObjectStore, job: Job, workdir: Path, *, lead: bool = True
+) -> str | None:
+    """Fetch the job's latest complete checkpoint (model, optimizer, scheduler, RNG, step) to resume from.
+
+    A multi-process job's checkpoint is complete when every other node has added its part; every node
+    unpacks all of them into one directory, as the Trainer (and DeepSpeed) expect."""
+    nodes = int(job.spec.get("distributed", {}).get("nodes", 1))
     with session_scope(settings.database_url) as session:
-        latest = CheckpointRepository(session).latest(job.id)
-        if latest is None:
-            if job.attempt > 1:
+        complete = [
+            c for c in CheckpointRepository(session).newest_first(job.id) if len(c.parts or []) >= nodes - 1
+        ]
+        if not complete:
+            if job.attempt > 1 and lead:
                 EventRepository(session).add(job.id, "No checkpoint stored yet: this attempt starts over")
             return None
-        step, key = latest.step, latest.object_key
-    archive = workdir / "resume.tar"
-    store.get_to_path(key, archive)
+        step, keys = complete[0].step, [complete[0].object_key, *(complete[0].parts or [])]
     target = workdir / "resume"
-    with tarfile.open(archive) as tar:
-        tar.extractall(target, filter="data")  # refuses absolute paths, links out and device files
-    archive.unlink()
+    for n, key in enumerate(keys):
+        archive = workdir / f"resume-{n}.tar"
+        store.get_to_path(key, archive)
+        with tarfile.open(archive) as tar:
+            tar.extractall(target, filter="data")  # refuses absolute paths, links out and device files
+        archive.unlink()
     found = next(target.glob("checkpoint-*"), None)
     if found is None:
-        raise RuntimeError(f"checkpoint archive {key} holds no checkpoint-* directory")
-    with session_scope(settings.database_url) as session:
-        EventRepository(session).add(
-            job.id,
-            f"Resuming from the checkpoint at step {step} (attempt {job.attempt})",
-            data={"resumed_from_step": step, "attempt": job.attempt},
-        )
+        raise RuntimeError(f"checkpoint archive {keys[0]} holds no checkpoint-* directory")
+    if lead:
+        with session_scope(settings.database_url) as session:
+            EventRepository(session).add(
+                job.id,
+                f"Resuming from the checkpoint at step {step} (attempt {job.attempt})",
+                data={"resumed_from_step": step, "attempt": job.attempt},
+            )
     return str(found)
 
 

@@ -17,7 +17,7 @@ from ortune.nodes import NodeRepository, never_fits
 from ortune.queue import enqueue_dispatch, enqueue_job, enqueue_search, on_commit
 from ortune.settings import Settings
 from ortune.tenancy import Caller, TenantRepository
-from trainer_core import registry, rows
+from trainer_core import backends, registry, rows
 from trainer_core.spec import Distributed
 
 CANCELLABLE = (JobStatus.validating_files, JobStatus.queued, JobStatus.running, JobStatus.paused)
@@ -135,6 +135,8 @@ def create(
 
 def _check_fits(session: Session, dist: Distributed, spec: dict[str, Any], search: bool) -> None:
     """Refuse at once what can never run here; what cannot run now waits in `queued`."""
+    if dist.strategy == "zero1" and spec["backend"] == "ort":
+        raise APIError(backends.ZERO1_ORT, param="backend", code="unsupported")
     if search:
         raise APIError(
             "a hyperparameter search runs single-process trials; drop distributed or the search",

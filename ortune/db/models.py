@@ -195,6 +195,9 @@ class Checkpoint(Base):
     bytes: Mapped[int] = mapped_column(BigIntId)
     sha256: Mapped[str] = mapped_column(String(64))
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    # A multi-process job's checkpoint also has a part per other node (its ranks' RNG state, and under
+    # ZeRO their optimizer shards): the object keys, added as each node uploads its part.
+    parts: Mapped[list[str] | None] = mapped_column(JSONType)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

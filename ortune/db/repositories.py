@@ -231,6 +231,21 @@ class CheckpointRepository:
         self.session.add(checkpoint)
         self.session.flush()
 
+    def newest_first(self, job_id: str) -> Sequence[Checkpoint]:
+        stmt = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())
+        return self.session.scalars(stmt).all()
+
+    def add_part(self, job_id: str, step: int, key: str) -> bool:
+        """Add another node's part to a checkpoint; False while rank 0 has not recorded the checkpoint."""
+        stmt = select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
+        checkpoint = self.session.scalars(stmt.with_for_update()).first()
+        if checkpoint is None:
+            return False
+        if key not in (checkpoint.parts or []):
+            checkpoint.parts = [*(checkpoint.parts or []), key]
+        self.session.flush()
+        return True
+
     def latest(self, job_id: str) -> Checkpoint | None:
         stmt = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())
         return self.session.scalars(stmt.limit(1)).first()
