@@ -405,3 +405,34 @@ def test_zero1_job_resumes_on_all_nodes_after_its_rank0_worker_dies(
                 w.terminate()
             for w in workers:
                 w.wait(60)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_a_node_that_cannot_stage_fails_the_attempt_at_once(settings: Settings, tmp_path: Path) -> None:
+    s = settings.model_copy(update={"sweep_seconds": 0.5})
+    with embedded.start(s, worker=False, log_dir=tmp_path / "logs"):
+        broken = s.model_copy(update={"work_dir": Path("/dev/null/work")})  # node-b cannot make its folder
+        workers = [node_worker(s, tmp_path, "node-a"), node_worker(broken, tmp_path, "node-b")]
+        try:
+            client = Client(s.api_url)
+            wait_nodes(client, 2)
+            train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(16)))
+            job = client.create_job(
+                model="tiny-bert",
+                training_file=train["id"],
+                backend="torch",
+                hyperparameters={"max_steps": 5, "batch_size": 8, "max_seq_length": 32},
+                distributed={"nodes": 2},
+            )
+            done = wait_for(client, job["id"], TERMINAL, timeout=120)  # not torchrun's rendezvous timeout
+            assert done["status"] == "failed"
+            assert done["error"]["code"] == "rank_failed"
+            assert "node rank 1 on node-b" in done["error"]["message"]
+            assert "staging failed" in done["error"]["message"]
+            wait_released(client)
+        finally:
+            for w in workers:
+                w.terminate()
+            for w in workers:
+                w.wait(60)

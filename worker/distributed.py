@@ -27,6 +27,7 @@ from worker import runner
 
 log = logging.getLogger(__name__)
 FIRST_FAILURE_WAIT_S = 15.0  # how long rank 0 waits for the other nodes to report how their ranks ended
+STAGING_FAILED = -1  # the exit code a node records when it could not even start its ranks
 
 
 def register(settings: Settings) -> None:
@@ -100,8 +101,12 @@ def run_rank(settings: Settings, task: dict[str, Any]) -> str:
     store = runner._store(settings)
     try:
         spec = runner._stage(settings, store, job, train, valid, workdir, upload_spec=rank == 0)
-    except Exception as exc:
-        _released(settings, job_id, attempt, None, f"staging failed: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # rank 0 aborts the attempt when it sees this (or it fails it itself)
+        _released(settings, job_id, attempt, STAGING_FAILED, f"staging failed: {type(exc).__name__}: {exc}")
+        if rank == 0:
+            error = {"code": "worker_error", "message": f"staging failed: {type(exc).__name__}: {exc}"}
+            runner._finish(settings, job, runner.Outcome(JobStatus.failed, error))
+            return "failed while staging"
         raise
     command = _torchrun(settings, task, workdir / "spec.json")
     if rank == 0:
@@ -120,7 +125,15 @@ def _lead(
     heartbeat = runner.Heartbeat(settings, job.id, job.attempt)
     heartbeat.start()
     try:
-        execution = runner.Execution(settings, store, job, spec, command=command, env=_env(settings, task))
+        execution = runner.Execution(
+            settings,
+            store,
+            job,
+            spec,
+            command=command,
+            env=_env(settings, task),
+            abort_when=lambda: _another_node_failed(settings, job),
+        )
         outcome = execution.run()
     except Exception as exc:
         log.exception("job %s failed on rank 0", job.id)
@@ -135,6 +148,14 @@ def _lead(
         outcome = runner.Outcome(JobStatus.failed, _first_failure(settings, job, outcome.error))
     runner._finish(settings, job, outcome)
     return outcome.status.value if outcome.status else "superseded"
+
+
+def _another_node_failed(settings: Settings, job: Job) -> str | None:
+    """Rank 0 stops at once when another node's ranks failed (they may never reach the rendezvous)."""
+    with session_scope(settings.database_url) as session:
+        parts = NodeRepository(session).of_attempt(job.id, job.attempt)
+        failed = [a for a in parts if a.node_rank != 0 and a.exit_code not in (0, None)]
+        return f"node rank {failed[0].node_rank} on {failed[0].node_name} failed" if failed else None
 
 
 def _first_failure(settings: Settings, job: Job, rank0_error: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -22,6 +22,7 @@ import tarfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -262,6 +263,7 @@ class Execution:
         spec: TrainingSpec,
         command: list[str] | None = None,
         env: dict[str, str] | None = None,
+        abort_when: Callable[[], str | None] | None = None,
     ) -> None:
         self.settings, self.store, self.job, self.spec = settings, store, job, spec
         self.workdir = Path(spec.output_dir).parent
@@ -272,6 +274,8 @@ class Execution:
             str(self.workdir / "spec.json"),
         ]
         self.extra_env = env or {}
+        # Checked at every flush; a reason stops the trainer and fails the attempt (another node failed).
+        self.abort_when = abort_when
         self.relay = Relay(settings.database_url, job.id, job.attempt)
         self.artifacts: set[str] = set()
         self.result: dict[str, Any] | None = None
@@ -347,6 +351,9 @@ class Execution:
                 if status not in (JobStatus.running, JobStatus.paused):
                     _signal(proc, signal.SIGKILL)
                     return Outcome(None)
+                if self.abort_when is not None and (reason := self.abort_when()):
+                    _signal(proc, signal.SIGKILL)
+                    return Outcome(JobStatus.failed, {"code": "rank_failed", "message": reason})
                 draining = DRAINING.is_set()
                 if (status == JobStatus.paused or draining) and stop_deadline is None:
                     _signal(proc, signal.SIGTERM)  # checkpoint, then exit 3; its events keep coming
@@ -441,7 +448,10 @@ def _finish(settings: Settings, job: Job, outcome: Outcome) -> None:
         jobs, events = JobRepository(session), EventRepository(session)
         running, attempt = [JobStatus.running], job.attempt
         if outcome.status is None:
-            events.add(job.id, f"Attempt {attempt} on {WORKER} stopped: the job was requeued without it")
+            events.add(
+                job.id,
+                f"Attempt {attempt} on {WORKER} stopped: the job moved on without it (requeued or ended)",
+            )
             return
         if outcome.status == JobStatus.succeeded:
             name = f"ft:{job.model}:{job.suffix or 'ortune'}:{job.id}"
