@@ -7,9 +7,11 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +132,25 @@ def service(settings: Settings, tmp_path: Path) -> Iterator[Client]:
         yield Client(settings.api_url)
     for log in sorted(logs.glob("*.log")):
         print(f"--- {log.name} (tail)\n" + "".join(log.read_text(errors="replace").splitlines(True)[-40:]))
+
+
+@contextmanager
+def worker_process(settings: Settings, name: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """One more Celery worker (another node, or a successor to a killed one), stopped at the end if it
+    still runs."""
+    with log.open("ab") as fh:
+        proc = subprocess.Popen(
+            embedded.worker_command(settings, name=f"{name}-{time.monotonic_ns()}@%h"),
+            env=embedded.child_env(settings),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(60)
 
 
 def wait_for(client: Client, job_id: str, statuses: set[str], timeout: float = 300) -> dict[str, Any]:

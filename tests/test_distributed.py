@@ -9,6 +9,8 @@ import subprocess
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from ortune.db.models import Assignment, Checkpoint, File, FileStatus, Job, JobS
 from ortune.db.session import session_scope
 from ortune.nodes import NodeRepository
 from ortune.settings import Settings
-from tests.conftest import DEMO, upload, wait_for, write_jsonl
+from tests.conftest import DEMO, upload, wait_for, worker_process, write_jsonl
 from worker import scheduler
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -172,19 +174,24 @@ def test_a_job_that_can_never_fit_is_refused_at_submit(settings: Settings) -> No
 # ---- real processes: two worker processes, two nodes, torchrun across them ---------------------------------
 
 
-def node_worker(settings: Settings, tmp: Path, name: str) -> subprocess.Popen[bytes]:
+def node_worker(settings: Settings, tmp: Path, name: str) -> AbstractContextManager[subprocess.Popen[bytes]]:
     node = settings.model_copy(update={"node_name": name, "node_devices": 1})
-    with (tmp / f"{name}.log").open("ab") as log:
-        return subprocess.Popen(
-            embedded.worker_command(node, name=f"{name}-{time.monotonic_ns()}@%h"),
-            env=embedded.child_env(node),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    return worker_process(node, name, tmp / f"{name}.log")
 
 
-def two_nodes(settings: Settings, tmp: Path) -> list[subprocess.Popen[bytes]]:
-    return [node_worker(settings, tmp, name) for name in ("node-a", "node-b")]
+@contextmanager
+def two_nodes(
+    settings: Settings, tmp: Path, node_b: Settings | None = None
+) -> Iterator[tuple[Client, list[subprocess.Popen[bytes]]]]:
+    """The API and two worker processes registered as nodes node-a and node-b, one device each."""
+    with embedded.start(settings, worker=False, log_dir=tmp / "logs"), ExitStack() as stack:
+        workers = [
+            stack.enter_context(node_worker(settings, tmp, "node-a")),
+            stack.enter_context(node_worker(node_b or settings, tmp, "node-b")),
+        ]
+        client = Client(settings.api_url)
+        wait_nodes(client, 2)
+        yield client, workers
 
 
 def wait_nodes(client: Client, n: int) -> None:
@@ -217,49 +224,39 @@ def losses(client: Client, job_id: str) -> list[float]:
 @pytest.mark.e2e
 def test_ddp_across_two_nodes_matches_one_process(settings: Settings, tmp_path: Path) -> None:
     s = settings.model_copy(update={"sweep_seconds": 0.5})
-    with embedded.start(s, worker=False, log_dir=tmp_path / "logs"):
-        workers = two_nodes(s, tmp_path)
-        try:
-            client = Client(s.api_url)
-            wait_nodes(client, 2)
-            train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(8)))
-            spec = {
-                "model": "tiny-bert",
-                "training_file": train["id"],
-                "backend": "torch",
-                "seed": 3,
-                "hyperparameters": {
-                    "max_steps": 6,
-                    "batch_size": 8,
-                    "learning_rate": 1e-3,
-                    "max_seq_length": 32,
-                },
-            }
-            ddp = client.create_job(**spec, distributed={"nodes": 2, "procs_per_node": 1})
-            done = wait_for(client, ddp["id"], TERMINAL)
-            assert done["status"] == "succeeded", done["error"]
-            events = [
-                e["message"]
-                for e in client.get(f"/v1/fine_tuning/jobs/{ddp['id']}/events", limit=100)["data"]
-            ]
-            placed = next(m for m in events if m.startswith("Attempt 1 placed on"))
-            assert "node-a" in placed and "node-b" in placed and "2 x 1 process(es), ddp" in placed
-            wait_released(client)
+    with two_nodes(s, tmp_path) as (client, _):
+        train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(8)))
+        spec = {
+            "model": "tiny-bert",
+            "training_file": train["id"],
+            "backend": "torch",
+            "seed": 3,
+            "hyperparameters": {
+                "max_steps": 6,
+                "batch_size": 8,
+                "learning_rate": 1e-3,
+                "max_seq_length": 32,
+            },
+        }
+        ddp = client.create_job(**spec, distributed={"nodes": 2, "procs_per_node": 1})
+        done = wait_for(client, ddp["id"], TERMINAL)
+        assert done["status"] == "succeeded", done["error"]
+        events = [
+            e["message"] for e in client.get(f"/v1/fine_tuning/jobs/{ddp['id']}/events", limit=100)["data"]
+        ]
+        placed = next(m for m in events if m.startswith("Attempt 1 placed on"))
+        assert "node-a" in placed and "node-b" in placed and "2 x 1 process(es), ddp" in placed
+        wait_released(client)
 
-            single = client.create_job(**spec)  # the same global batch in one process
-            one = wait_for(client, single["id"], TERMINAL)
-            assert one["status"] == "succeeded", one["error"]
-            a, b = losses(client, ddp["id"]), losses(client, single["id"])
-            assert len(a) == len(b) == 6
-            # each step sees all 8 rows in both (4 per rank under DDP, gradients averaged); only dropout
-            # masks differ, so the curves agree closely rather than exactly
-            for x, y in zip(a, b, strict=True):
-                assert abs(x - y) <= 0.05 * max(abs(y), 1e-3), (a, b)
-        finally:
-            for w in workers:
-                w.terminate()
-            for w in workers:
-                w.wait(60)
+        single = client.create_job(**spec)  # the same global batch in one process
+        one = wait_for(client, single["id"], TERMINAL)
+        assert one["status"] == "succeeded", one["error"]
+        a, b = losses(client, ddp["id"]), losses(client, single["id"])
+        assert len(a) == len(b) == 6
+        # each step sees all 8 rows in both (4 per rank under DDP, gradients averaged); only dropout
+        # masks differ, so the curves agree closely rather than exactly
+        for x, y in zip(a, b, strict=True):
+            assert abs(x - y) <= 0.05 * max(abs(y), 1e-3), (a, b)
 
 
 @pytest.mark.e2e
@@ -269,87 +266,67 @@ def test_zero1_and_ort_inside_across_two_nodes(
     settings: Settings, tmp_path: Path, strategy: str, backend: str
 ) -> None:
     s = settings.model_copy(update={"sweep_seconds": 0.5})
-    with embedded.start(s, worker=False, log_dir=tmp_path / "logs"):
-        workers = two_nodes(s, tmp_path)
-        try:
-            client = Client(s.api_url)
-            wait_nodes(client, 2)
-            train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(16)))
-            job = client.create_job(
-                model="tiny-bert",
-                training_file=train["id"],
-                backend=backend,
-                seed=4,
-                checkpoint_every_steps=3,
-                hyperparameters={
-                    "max_steps": 6,
-                    "batch_size": 8,
-                    "learning_rate": 1e-3,
-                    "max_seq_length": 32,
-                },
-                distributed={"nodes": 2, "strategy": strategy},
-            )
-            done = wait_for(client, job["id"], TERMINAL, timeout=400)
-            assert done["status"] == "succeeded", done["error"]
-            assert done["backend_used"] == backend
-            if backend == "ort":
-                assert done["result"]["metrics"]["ort_training_graph_nodes"] > 0  # ORT really trained
-            steps = [
-                c["step_number"] for c in client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints")["data"]
-            ]
-            assert steps == [6, 3]
-            assert len(losses(client, job["id"])) == 6
-        finally:
-            for w in workers:
-                w.terminate()
-            for w in workers:
-                w.wait(60)
+    with two_nodes(s, tmp_path) as (client, _):
+        train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(16)))
+        job = client.create_job(
+            model="tiny-bert",
+            training_file=train["id"],
+            backend=backend,
+            seed=4,
+            checkpoint_every_steps=3,
+            hyperparameters={
+                "max_steps": 6,
+                "batch_size": 8,
+                "learning_rate": 1e-3,
+                "max_seq_length": 32,
+            },
+            distributed={"nodes": 2, "strategy": strategy},
+        )
+        done = wait_for(client, job["id"], TERMINAL, timeout=400)
+        assert done["status"] == "succeeded", done["error"]
+        assert done["backend_used"] == backend
+        if backend == "ort":
+            assert done["result"]["metrics"]["ort_training_graph_nodes"] > 0  # ORT really trained
+        steps = [
+            c["step_number"] for c in client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints")["data"]
+        ]
+        assert steps == [6, 3]
+        assert len(losses(client, job["id"])) == 6
 
 
 @pytest.mark.e2e
 def test_killing_one_rank_fails_the_attempt_with_its_error(settings: Settings, tmp_path: Path) -> None:
     s = settings.model_copy(update={"sweep_seconds": 0.5, "distributed_timeout_seconds": 30})
-    with embedded.start(s, worker=False, log_dir=tmp_path / "logs"):
-        workers = two_nodes(s, tmp_path)
-        try:
-            client = Client(s.api_url)
-            wait_nodes(client, 2)
-            train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(64)))
-            job = client.create_job(
-                model="tiny-bert",
-                training_file=train["id"],
-                backend="torch",
-                hyperparameters={"max_steps": 5000, "batch_size": 8, "max_seq_length": 32},
-                distributed={"nodes": 2},
-            )
-            deadline = time.monotonic() + 120
-            while client.job(job["id"])["progress"]["step"] < 3:
-                assert time.monotonic() < deadline, "the job did not start training"
-                time.sleep(0.3)
-            victims = [
-                p
-                for p in psutil.process_iter(["cmdline"])
-                if "trainer_core.launch" in " ".join(p.info["cmdline"] or [])
-                and f"{job['id']}/attempt-1/node-1/" in " ".join(p.info["cmdline"] or [])
-                and "torch.distributed.run" not in " ".join(p.info["cmdline"] or [])
-            ]
-            assert victims, "no rank process found on node rank 1"
-            for p in victims:
-                p.send_signal(signal.SIGKILL)
-            done = wait_for(client, job["id"], TERMINAL, timeout=180)
-            assert done["status"] == "failed"
-            assert done["error"]["code"] == "rank_failed", done["error"]
-            assert "node rank 1 on node-" in done["error"]["message"]
-            wait_released(client)
-            left = [
-                p for p in psutil.process_iter(["cmdline"]) if job["id"] in " ".join(p.info["cmdline"] or [])
-            ]
-            assert not left, [p.info["cmdline"] for p in left]  # no orphan on either node
-        finally:
-            for w in workers:
-                w.terminate()
-            for w in workers:
-                w.wait(60)
+    with two_nodes(s, tmp_path) as (client, _):
+        train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(64)))
+        job = client.create_job(
+            model="tiny-bert",
+            training_file=train["id"],
+            backend="torch",
+            hyperparameters={"max_steps": 5000, "batch_size": 8, "max_seq_length": 32},
+            distributed={"nodes": 2},
+        )
+        deadline = time.monotonic() + 120
+        while client.job(job["id"])["progress"]["step"] < 3:
+            assert time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.3)
+        victims = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if "trainer_core.launch" in " ".join(p.info["cmdline"] or [])
+            and f"{job['id']}/attempt-1/node-1/" in " ".join(p.info["cmdline"] or [])
+            and "torch.distributed.run" not in " ".join(p.info["cmdline"] or [])
+        ]
+        assert victims, "no rank process found on node rank 1"
+        for p in victims:
+            p.send_signal(signal.SIGKILL)
+        done = wait_for(client, job["id"], TERMINAL, timeout=180)
+        assert done["status"] == "failed"
+        assert done["error"]["code"] == "rank_failed", done["error"]
+        assert "node rank 1 on node-" in done["error"]["message"]
+        wait_released(client)
+        left = [p for p in psutil.process_iter(["cmdline"]) if job["id"] in " ".join(p.info["cmdline"] or [])]
+        assert not left, [p.info["cmdline"] for p in left]  # no orphan on either node
 
 
 @pytest.mark.e2e
@@ -358,38 +335,34 @@ def test_zero1_job_resumes_on_all_nodes_after_its_rank0_worker_dies(
     settings: Settings, tmp_path: Path
 ) -> None:
     s = settings.model_copy(
-        update={"sweep_seconds": 0.5, "heartbeat_seconds": 0.5, "heartbeat_timeout_seconds": 4.0}
+        update={"sweep_seconds": 0.5, "heartbeat_seconds": 0.5, "heartbeat_timeout_seconds": 10.0}
     )
-    with embedded.start(s, worker=False, log_dir=tmp_path / "logs"):
-        workers = two_nodes(s, tmp_path)
-        try:
-            client = Client(s.api_url)
-            wait_nodes(client, 2)
-            train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(32)))
-            total, every = 120, 20
-            job = client.create_job(
-                model="tiny-bert",
-                training_file=train["id"],
-                backend="torch",
-                seed=6,
-                checkpoint_every_steps=every,
-                hyperparameters={"max_steps": total, "batch_size": 8, "max_seq_length": 32},
-                distributed={"nodes": 2, "strategy": "zero1"},
-            )
+    with two_nodes(s, tmp_path) as (client, workers):
+        train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(32)))
+        total, every = 120, 20
+        job = client.create_job(
+            model="tiny-bert",
+            training_file=train["id"],
+            backend="torch",
+            seed=6,
+            checkpoint_every_steps=every,
+            hyperparameters={"max_steps": total, "batch_size": 8, "max_seq_length": 32},
+            distributed={"nodes": 2, "strategy": "zero1"},
+        )
 
-            def complete_checkpoints() -> list[int]:
-                with session_scope(s.database_url) as session:
-                    found = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job["id"])).all()
-                    return sorted(c.step for c in found if len(c.parts or []) == 1)
+        def complete_checkpoints() -> list[int]:
+            with session_scope(s.database_url) as session:
+                found = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job["id"])).all()
+                return sorted(c.step for c in found if len(c.parts or []) == 1)
 
-            deadline = time.monotonic() + 300
-            while len(complete_checkpoints()) < 2:
-                assert time.monotonic() < deadline, "no complete checkpoints"
-                assert client.job(job["id"])["status"] == "running", client.job(job["id"])
-                time.sleep(0.3)
-            workers[0].kill()  # node-a held rank 0: its torchrun and ranks die with it
-            workers[0].wait()
-            workers[0] = node_worker(s, tmp_path, "node-a")  # the node comes back
+        deadline = time.monotonic() + 300
+        while len(complete_checkpoints()) < 2:
+            assert time.monotonic() < deadline, "no complete checkpoints"
+            assert client.job(job["id"])["status"] == "running", client.job(job["id"])
+            time.sleep(0.3)
+        workers[0].kill()  # node-a held rank 0: its torchrun and ranks die with it
+        workers[0].wait()
+        with node_worker(s, tmp_path, "node-a"):  # the node comes back
             done = wait_for(client, job["id"], TERMINAL, timeout=400)
             assert done["status"] == "succeeded", done["error"]
             assert done["attempt"] == 2
@@ -400,39 +373,25 @@ def test_zero1_job_resumes_on_all_nodes_after_its_rank0_worker_dies(
             series = client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics", name="train_loss")["data"]
             assert series["train_loss"]["steps"] == list(range(1, total + 1))
             wait_released(client)
-        finally:
-            for w in workers:
-                w.terminate()
-            for w in workers:
-                w.wait(60)
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("settings", ["embedded"], indirect=True)
 def test_a_node_that_cannot_stage_fails_the_attempt_at_once(settings: Settings, tmp_path: Path) -> None:
     s = settings.model_copy(update={"sweep_seconds": 0.5})
-    with embedded.start(s, worker=False, log_dir=tmp_path / "logs"):
-        broken = s.model_copy(update={"work_dir": Path("/dev/null/work")})  # node-b cannot make its folder
-        workers = [node_worker(s, tmp_path, "node-a"), node_worker(broken, tmp_path, "node-b")]
-        try:
-            client = Client(s.api_url)
-            wait_nodes(client, 2)
-            train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(16)))
-            job = client.create_job(
-                model="tiny-bert",
-                training_file=train["id"],
-                backend="torch",
-                hyperparameters={"max_steps": 5, "batch_size": 8, "max_seq_length": 32},
-                distributed={"nodes": 2},
-            )
-            done = wait_for(client, job["id"], TERMINAL, timeout=120)  # not torchrun's rendezvous timeout
-            assert done["status"] == "failed"
-            assert done["error"]["code"] == "rank_failed"
-            assert "node rank 1 on node-b" in done["error"]["message"]
-            assert "staging failed" in done["error"]["message"]
-            wait_released(client)
-        finally:
-            for w in workers:
-                w.terminate()
-            for w in workers:
-                w.wait(60)
+    broken = s.model_copy(update={"work_dir": Path("/dev/null/work")})  # node-b cannot make its folder
+    with two_nodes(s, tmp_path, node_b=broken) as (client, _):
+        train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(16)))
+        job = client.create_job(
+            model="tiny-bert",
+            training_file=train["id"],
+            backend="torch",
+            hyperparameters={"max_steps": 5, "batch_size": 8, "max_seq_length": 32},
+            distributed={"nodes": 2},
+        )
+        done = wait_for(client, job["id"], TERMINAL, timeout=120)  # not torchrun's rendezvous timeout
+        assert done["status"] == "failed"
+        assert done["error"]["code"] == "rank_failed"
+        assert "node rank 1 on node-b" in done["error"]["message"]
+        assert "staging failed" in done["error"]["message"]
+        wait_released(client)

@@ -4,7 +4,6 @@ pause/resume/cancel round trips, all through real processes (uvicorn, Celery wor
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from ortune import embedded
 from ortune.client import Client
 from ortune.settings import Settings
 from tests import services
-from tests.conftest import DEMO, upload, wait_for, write_jsonl
+from tests.conftest import DEMO, upload, wait_for, worker_process, write_jsonl
 
 pytestmark = pytest.mark.e2e
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -86,16 +85,6 @@ def assert_steps_contiguous(client: Client, job_id: str, total: int) -> None:
     assert series["steps"] == list(range(1, total + 1))  # redone steps replaced, none missing
 
 
-def start_worker(settings: Settings, name: str, log: Path) -> subprocess.Popen[bytes]:
-    with log.open("ab") as fh:
-        return subprocess.Popen(
-            embedded.worker_command(settings, name=f"{name}@%h"),
-            env=embedded.child_env(settings),
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-        )
-
-
 def test_killed_worker_resumes_from_its_last_checkpoint(settings: Settings, tmp_path: Path) -> None:
     s = settings.model_copy(update=FAST_SWEEP)
     every, total = 20, 240
@@ -112,12 +101,8 @@ def test_killed_worker_resumes_from_its_last_checkpoint(settings: Settings, tmp_
         assert not trainers_of(job["id"]) or all(
             p.status() == psutil.STATUS_ZOMBIE for p in trainers_of(job["id"])
         )
-        second = start_worker(s, "second", tmp_path / "logs" / "worker2.log")
-        try:
+        with worker_process(s, "second", tmp_path / "logs" / "worker2.log"):
             done = wait_for(client, job["id"], TERMINAL, timeout=300)
-        finally:
-            second.terminate()
-            second.wait(30)
 
         assert done["status"] == "succeeded", done["error"]
         assert done["attempt"] == 2 and done["progress"]["step"] == total
@@ -145,12 +130,8 @@ def test_too_many_lost_attempts_fail_the_job(settings: Settings, tmp_path: Path)
         wait_until("training", lambda: client.job(job["id"])["progress"]["step"] > 3)
         running.procs[0].kill()
         running.procs[0].wait()
-        sweeper = start_worker(s, "sweeper", tmp_path / "logs" / "worker2.log")
-        try:
+        with worker_process(s, "sweeper", tmp_path / "logs" / "worker2.log"):
             done = wait_for(client, job["id"], TERMINAL, timeout=120)
-        finally:
-            sweeper.terminate()
-            sweeper.wait(30)
     assert done["status"] == "failed" and done["error"]["code"] == "attempts_exhausted"
     assert "the limit is 1" in done["error"]["message"]
 
@@ -284,12 +265,8 @@ def test_a_worker_shutting_down_checkpoints_and_hands_the_job_on(settings: Setti
         at = checkpoints(client, job["id"])
         assert len(at) == 1 and 20 <= at[0] < total
         assert any(e["message"].startswith("Requeued from the checkpoint") for e in events(client, job["id"]))
-        successor = start_worker(settings, "successor", tmp_path / "logs" / "worker2.log")
-        try:
+        with worker_process(settings, "successor", tmp_path / "logs" / "worker2.log"):
             done = wait_for(client, job["id"], TERMINAL)
-        finally:
-            successor.terminate()
-            successor.wait(60)
         assert done["status"] == "succeeded" and done["attempt"] == 2
         resumed = next(e for e in events(client, job["id"]) if e["message"].startswith("Resuming from"))
         assert resumed["data"]["resumed_from_step"] == at[0]
