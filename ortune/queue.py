@@ -76,6 +76,14 @@ def enqueue_dispatch(settings: Settings, job_id: str) -> None:
     _mark_enqueued(settings, job_id)
 
 
+def enqueue_for(job: Job) -> Callable[[Settings, str], None]:
+    """The message that moves this job on: a search advances, a multi-process job waits for the scheduler,
+    any other job goes to the shared queue. Chosen now, sent after commit (the row may be gone by then)."""
+    if job.spec.get("hyperparameter_search") is not None:
+        return enqueue_search
+    return enqueue_dispatch if job.world_size > 1 else enqueue_job
+
+
 def send_rank(settings: Settings, node_queue: str, rank: dict[str, Any]) -> None:
     """One node's part of a multi-process job, on that node's own queue."""
     celery_app(settings.broker_url, settings.queue).send_task(RUN_RANK, args=[rank], queue=node_queue)

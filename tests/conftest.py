@@ -153,6 +153,18 @@ def worker_process(settings: Settings, name: str, log: Path) -> Iterator[subproc
         proc.wait(60)
 
 
+def events(client: Client, job_id: str) -> list[dict[str, Any]]:
+    """All of a job's events, oldest first (the API pages them newest first)."""
+    out: list[dict[str, Any]] = []
+    after = None
+    while True:
+        page = client.get(f"/v1/fine_tuning/jobs/{job_id}/events", limit=100, after=after)
+        out += page["data"]
+        if not page["has_more"]:
+            return list(reversed(out))
+        after = page["data"][-1]["id"]
+
+
 def wait_for(client: Client, job_id: str, statuses: set[str], timeout: float = 300) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -17,7 +17,7 @@ from ortune import embedded
 from ortune.client import Client
 from ortune.settings import Settings
 from tests import services
-from tests.conftest import DEMO, upload, wait_for, worker_process, write_jsonl
+from tests.conftest import DEMO, events, upload, wait_for, worker_process, write_jsonl
 
 pytestmark = pytest.mark.e2e
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -31,18 +31,6 @@ FAST_SWEEP = {
 
 def rows(n: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (DEMO / "sentiment_train.jsonl").read_text().splitlines()[:n]]
-
-
-def events(client: Client, job_id: str) -> list[dict[str, Any]]:
-    """All of a job's events, oldest first."""
-    out: list[dict[str, Any]] = []
-    after = None
-    while True:
-        page = client.get(f"/v1/fine_tuning/jobs/{job_id}/events", limit=100, after=after)
-        out += page["data"]
-        if not page["has_more"]:
-            return list(reversed(out))
-        after = page["data"][-1]["id"]
 
 
 def submit(client: Client, tmp: Path, steps: int, every: int, **extra: Any) -> dict[str, Any]:

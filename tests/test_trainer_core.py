@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -248,3 +249,48 @@ def test_built_models_are_the_same_for_the_same_seed(model: str) -> None:
             first.model.state_dict().items(), other.model.state_dict().items(), strict=True
         ):
             assert torch.equal(a, b), name
+
+
+def _replica(rank: int, init: str, skew: float, out: Any) -> None:
+    """One of two gloo ranks holding the same small model, rank 1's weights moved by `skew`."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer_core import ranks
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    if rank == 1:
+        with torch.no_grad():
+            model.weight[0, 0] += skew
+    vote = ranks.any_rank(rank == 1)  # only rank 1 says yes; both hear it
+    try:
+        out.put((rank, vote, ranks.check_in_sync(model)))
+    except ranks.ReplicasDiverged as exc:
+        out.put((rank, vote, str(exc)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("skew", "in_sync"), [(0.0, True), (1e-3, False)])
+def test_ranks_vote_together_and_replicas_that_trained_apart_are_caught(
+    tmp_path: Path, skew: float, in_sync: bool
+) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_replica, args=(r, init, skew, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert [vote for _, vote, _ in results] == [True, True]
+    for _, _, found in results:
+        if in_sync:
+            assert found == 0.0
+        else:
+            assert isinstance(found, str) and "rank(s) [1] hold parameters that differ from rank 0's" in found

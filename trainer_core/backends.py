@@ -48,15 +48,7 @@ def ort_problem(spec: TrainingSpec, *, cuda: bool) -> str | None:
     return None
 
 
-ZERO1_ORT = (
-    "ORT inside ZeRO-1 is not supported yet: the Trainer hands DeepSpeed the plain model, not ORTModule; "
-    "use strategy ddp with backend ort, or zero1 with backend torch"
-)
-
-
 def choose(spec: TrainingSpec, *, cuda: bool) -> BackendChoice:
-    if spec.backend == "ort" and spec.distributed.strategy == "zero1" and spec.distributed.world_size > 1:
-        raise BackendUnavailable(ZERO1_ORT)
     problem = None if spec.backend == "torch" else ort_problem(spec, cuda=cuda)
     if spec.backend == "ort" and problem:
         raise BackendUnavailable(problem)

@@ -8,6 +8,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from trainer_core import ranks
 from trainer_core.events import EventStream
 
 METRIC_NAMES = {
@@ -89,6 +90,9 @@ class StopOnRequest(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
+        # Under torchrun only rank 0 is signalled (a pause): the ranks vote each step, so all of them save
+        # the same step (ZeRO-1 saves a shard on each) and stop together.
+        self.requested = ranks.any_rank(self.requested)
         if self.requested:
             control.should_save = True
             control.should_training_stop = True

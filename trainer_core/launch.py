@@ -2,7 +2,8 @@
 
 Events go to stdout as JSON lines (see events.py); everything else goes to stderr. Exit status 0 means
 the model was trained, saved and exported; 2 means the spec cannot run here; 3 means a SIGTERM stopped it
-after saving a checkpoint (a pause); 1 is any other failure.
+after saving a checkpoint (a pause; under torchrun every rank exits 0 then, and rank 0 emits a `stopped`
+event); 1 is any other failure.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from trainer_core.callbacks import StopOnRequest
 from trainer_core.events import EventStream
+from trainer_core.ranks import rank
 from trainer_core.spec import TrainingSpec
 
 STOPPED = 3
@@ -32,7 +34,7 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     import torch
     import transformers
 
-    from trainer_core import backends, data, export, modeling, ort_trainer, registry, rows, trainer
+    from trainer_core import backends, data, export, modeling, ort_trainer, ranks, registry, rows, trainer
 
     transformers.utils.logging.set_verbosity_error()
     cuda = torch.cuda.is_available()
@@ -101,7 +103,7 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     result = hf_trainer.train(resume_from_checkpoint=spec.resume_from)
     if stop is not None and stop.requested:
         step = hf_trainer.state.global_step
-        events.message(f"stopped on request at step {step}, after saving its checkpoint", step=step)
+        events.emit("stopped", step=step)  # the worker tells a stop from a crash by this, not the exit code
         raise Stopped(step)
     final: dict[str, float] = {"train_loss": float(result.training_loss)}
     if valid_set is not None:
@@ -110,6 +112,8 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
         done = [h for h in hf_trainer.state.log_history if "eval_loss" in h and h.get("step") == step]
         after = done[-1] if done else hf_trainer.evaluate()
         final |= {k: float(v) for k, v in after.items() if k in ("eval_loss", "eval_accuracy")}
+    if spec.distributed.world_size > 1:  # every rank, before rank 0 goes on alone: it is a collective
+        final["replicas_max_rel_diff"] = ranks.check_in_sync(hf_trainer.plain_model)
 
     if rank() != 0:
         return  # rank 0 saves, exports and reports for the whole job
@@ -161,11 +165,6 @@ def _die_with_launcher() -> None:
         os._exit(1)
 
 
-def rank() -> int:
-    """This process's global rank under torchrun (0 when it runs alone)."""
-    return int(os.environ.get("RANK", "0"))
-
-
 def _report_backend(events: EventStream, choice: Any) -> None:
     events.emit(
         "backend",
@@ -204,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = TrainingSpec.load(args.spec)
         run(spec, events, stop)
     except Stopped:
-        return STOPPED
+        # Under torchrun a rank's non-zero exit is a failure to its torchrun; rank 0's event says it stopped.
+        return 0 if "TORCHELASTIC_RUN_ID" in os.environ else STOPPED
     except (SpecError, BackendUnavailable, ModelLoadError, ValueError) as exc:
         events.emit("error", code=type(exc).__name__, message=str(exc))
         traceback.print_exc()

@@ -1,9 +1,15 @@
 """ORTTrainer: a `transformers.Trainer` whose training forward and backward run in ONNX Runtime.
 
-What Optimum's ORTTrainer did, through the Trainer's documented hooks only (never a copy of `train()`):
-`_wrap_model` wraps the model with ORTModule for training (before any DDP wrapping, which Trainer's own
-`_wrap_model` adds), and `create_optimizer` adds `adamw_ort_fused` (ORT's CUDA FusedAdam). Evaluation and
-saving use the plain PyTorch module, which shares its parameters with the ORTModule.
+What Optimum's ORTTrainer did, through the Trainer's hooks only (never a copy of `train()`):
+
+- `_wrap_model` wraps the model with ORTModule for training and makes it, for the length of `train()`, the
+  Trainer's `model`. The Trainer hands Accelerate the model only when `_wrap_model` returns `self.model`
+  unchanged; otherwise it prepares the optimizer alone, and the ORTModule trained with no DDP and no DeepSpeed
+  around it: every rank trained on its own shard (trainer_core.ranks caught it). So Accelerate now wraps the
+  ORTModule itself: DDP(ORTModule), DeepSpeedEngine(ORTModule) for ZeRO-1, or nothing in one process.
+- Evaluation and saving use the plain PyTorch module, which shares its parameters with the ORTModule, so
+  checkpoints are ordinary Hugging Face directories whatever the backend.
+- `create_optimizer` adds `adamw_ort_fused` (ORT's CUDA FusedAdam).
 """
 
 from __future__ import annotations
@@ -53,18 +59,36 @@ class ORTTrainer(Trainer):
     def __init__(self, *args: Any, ort_module: torch.nn.Module | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ort_module = ort_module
+        self.plain_model: torch.nn.Module = self.model  # type: ignore[assignment]
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.model = self.plain_model  # whatever ran, the caller gets the PreTrainedModel back
 
     def _wrap_model(
         self, model: torch.nn.Module, training: bool = True, dataloader: Any = None
     ) -> torch.nn.Module:
         args: ORTTrainingArguments = self.args  # type: ignore[assignment]
-        if not (training and args.use_ort):
+        if not training:  # evaluation runs in PyTorch
+            plain = self.plain_model if model is self.ort_module else model
+            return super()._wrap_model(plain, False, dataloader)
+        if not args.use_ort:
             return super()._wrap_model(model, training, dataloader)
+        if model is not self.plain_model:
+            return model  # already wrapped: the ORTModule, or DDP or DeepSpeed around it
         if self.ort_module is None:
             self.ort_module = wrap(model, args.ort_log_level)
-        if model is self.ort_module:
-            return model
-        return super()._wrap_model(self.ort_module, training, dataloader)
+        self.model = self.ort_module  # returned as `self.model`, so Accelerate wraps it (see above)
+        return self.ort_module
+
+    def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
+        model, self.model = self.model, self.plain_model  # save_pretrained of the model, not ORTModule's
+        try:
+            super()._save(output_dir, state_dict)
+        finally:
+            self.model = model
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         args: ORTTrainingArguments = self.args  # type: ignore[assignment]

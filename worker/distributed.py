@@ -9,14 +9,18 @@ so the job's error names the rank that failed first rather than the ranks that l
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from ortune.db.models import File, Job, JobStatus
 from ortune.db.repositories import CheckpointRepository, EventRepository, JobRepository
@@ -133,6 +137,7 @@ def _lead(
             command=command,
             env=_env(settings, task),
             abort_when=lambda: _another_node_failed(settings, job),
+            stop=_stop_ranks,
         )
         outcome = execution.run()
     except Exception as exc:
@@ -148,6 +153,17 @@ def _lead(
         outcome = runner.Outcome(JobStatus.failed, _first_failure(settings, job, outcome.error))
     runner._finish(settings, job, outcome)
     return outcome.status.value if outcome.status else "superseded"
+
+
+def _stop_ranks(proc: subprocess.Popen[str]) -> None:
+    """A pause or a drain: SIGTERM to this node's ranks, not to torchrun (which would tear its workers down
+    and fail the other nodes). The ranks vote each step (trainer_core.ranks.any_rank), so every rank on every
+    node saves the same step, and each exits 0 for its torchrun; rank 0 reports the stop."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(proc.pid).children():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if "trainer_core.launch" in child.cmdline():
+                    child.send_signal(signal.SIGTERM)
 
 
 def _another_node_failed(settings: Settings, job: Job) -> str | None:
@@ -201,6 +217,26 @@ def _upload_parts(settings: Settings, store: Any, job: Job, workdir: Path, rank:
         shutil.rmtree(path)  # stored; this node never reads it again
 
 
+def _upload_last_parts(settings: Settings, store: Any, job: Job, workdir: Path, rank: int) -> None:
+    """Rank 0 records a checkpoint once it has uploaded it, which can be after this node's ranks exited
+    (always so for the checkpoint of a pause): keep adding this node's parts until rank 0 lets go."""
+    deadline = time.monotonic() + settings.pause_grace_seconds
+    while True:
+        with session_scope(settings.database_url) as session:
+            lead_done = any(
+                a.node_rank == 0 and a.released_at is not None
+                for a in NodeRepository(session).of_attempt(job.id, job.attempt)
+            )
+        _upload_parts(settings, store, job, workdir, rank)
+        left = list((workdir / "out" / "checkpoints").glob("checkpoint-*"))
+        if lead_done or not left:
+            return
+        if time.monotonic() > deadline:
+            log.warning("job %s: rank 0 never recorded %s", job.id, [p.name for p in left])
+            return
+        time.sleep(0.5)
+
+
 def _follow(settings: Settings, job: Job, workdir: Path, command: list[str], task: dict[str, Any]) -> str:
     log_path = workdir / "trainer.log"
     with log_path.open("w") as out:
@@ -219,11 +255,11 @@ def _follow(settings: Settings, job: Job, workdir: Path, command: list[str], tas
             with session_scope(settings.database_url) as session:
                 status = JobRepository(session).status(job.id, attempt=job.attempt)
             if status not in (JobStatus.running, JobStatus.paused):
-                runner._signal(proc, runner.signal.SIGKILL)
+                runner._signal(proc, signal.SIGKILL)
             _upload_parts(settings, store, job, workdir, int(task["node_rank"]))
         code = proc.wait()
         if code == 0:
-            _upload_parts(settings, store, job, workdir, int(task["node_rank"]))
+            _upload_last_parts(settings, store, job, workdir, int(task["node_rank"]))
     error = None
     if code != 0:
         tail = "".join(deque(log_path.open(errors="replace"), maxlen=8)).strip()[-800:]

@@ -36,7 +36,7 @@ from ortune.db.models import Artifact, Assignment, Checkpoint, File, Job, JobSta
 from ortune.db.repositories import ArtifactRepository, CheckpointRepository, EventRepository, JobRepository
 from ortune.db.session import session_scope
 from ortune.nodes import NodeRepository
-from ortune.queue import enqueue_job, enqueue_search, on_commit
+from ortune.queue import enqueue_for, enqueue_search, on_commit
 from ortune.settings import Settings
 from ortune.storage import ObjectStore, open_store, sha256_file
 from trainer_core import registry, rows
@@ -264,6 +264,7 @@ class Execution:
         command: list[str] | None = None,
         env: dict[str, str] | None = None,
         abort_when: Callable[[], str | None] | None = None,
+        stop: Callable[[subprocess.Popen[str]], None] | None = None,
     ) -> None:
         self.settings, self.store, self.job, self.spec = settings, store, job, spec
         self.workdir = Path(spec.output_dir).parent
@@ -276,11 +277,14 @@ class Execution:
         self.extra_env = env or {}
         # Checked at every flush; a reason stops the trainer and fails the attempt (another node failed).
         self.abort_when = abort_when
+        # How to ask the trainer to checkpoint and stop (a pause, a drain): SIGTERM to its process group.
+        self.stop = stop or (lambda proc: _signal(proc, signal.SIGTERM))
         self.relay = Relay(settings.database_url, job.id, job.attempt)
         self.artifacts: set[str] = set()
         self.result: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
         self.drained = False
+        self.stopped_at: int | None = None  # the step the trainer stopped at on request, once it says so
 
     def run(self) -> Outcome:
         log_path = self.workdir / "trainer.log"
@@ -311,9 +315,10 @@ class Execution:
             return Outcome(None)
         if code == 0 and self.result is not None and {"pytorch", "onnx"} <= self.artifacts:
             return Outcome(JobStatus.succeeded)  # finished before a pause could stop it
-        if code == STOPPED_ON_REQUEST and self.drained and status == JobStatus.running:
+        stopped_here = code == STOPPED_ON_REQUEST or self.stopped_at is not None
+        if stopped_here and self.drained and status == JobStatus.running:
             return Outcome(JobStatus.queued)
-        if code == STOPPED_ON_REQUEST or status == JobStatus.paused:
+        if stopped_here or status == JobStatus.paused:
             return Outcome(JobStatus.paused)
         if self.error is None:
             tail = "".join(deque(log_path.open(errors="replace"), maxlen=6)).strip()
@@ -356,7 +361,7 @@ class Execution:
                     return Outcome(JobStatus.failed, {"code": "rank_failed", "message": reason})
                 draining = DRAINING.is_set()
                 if (status == JobStatus.paused or draining) and stop_deadline is None:
-                    _signal(proc, signal.SIGTERM)  # checkpoint, then exit 3; its events keep coming
+                    self.stop(proc)  # checkpoint, then exit; its events keep coming
                     stop_deadline = time.monotonic() + self.settings.pause_grace_seconds
                     self.drained = draining
                     if draining:
@@ -384,6 +389,12 @@ class Execution:
                 },
                 "trained_tokens": event.get("trained_tokens"),
             }
+        elif kind == "stopped":
+            self.stopped_at = int(event.get("step") or 0)
+            self.relay.message(
+                f"Training stopped on request at step {self.stopped_at}, after saving its checkpoint",
+                data={"step": self.stopped_at},
+            )
         elif kind == "error":
             self.error = {
                 "code": str(event.get("code", "training_error")),
@@ -487,8 +498,8 @@ def _finish(settings: Settings, job: Job, outcome: Outcome) -> None:
                     f"Requeued from {where}: worker {WORKER} shut down",
                     data={"checkpoint_step": latest.step if latest else None},
                 )
-                job_id = job.id
-                on_commit(session, lambda: enqueue_job(settings, job_id))
+                job_id, send = job.id, enqueue_for(job)
+                on_commit(session, lambda: send(settings, job_id))
         elif outcome.status == JobStatus.paused:
             latest = CheckpointRepository(session).latest(job.id)
             where = f"the checkpoint at step {latest.step}" if latest else "the start (no checkpoint yet)"

@@ -27,7 +27,7 @@ from ortune.db.models import IdempotencyKey, Job, JobStatus
 from ortune.db.repositories import CheckpointRepository, EventRepository, JobRepository
 from ortune.db.session import session_scope
 from ortune.nodes import NodeRepository
-from ortune.queue import enqueue_dispatch, enqueue_job, enqueue_search, on_commit
+from ortune.queue import enqueue_for, on_commit
 from ortune.settings import Settings
 from worker import scheduler
 
@@ -90,7 +90,7 @@ def _lost(session: Session, settings: Settings, job: Job, report: Report) -> Non
             level="warn",
             data=data,
         )
-        job_id, send = job.id, enqueue_dispatch if job.world_size > 1 else enqueue_job
+        job_id, send = job.id, enqueue_for(job)
         on_commit(session, lambda: send(settings, job_id))
         report.requeued.append(job.id)
 
@@ -129,8 +129,7 @@ def sweep(settings: Settings) -> Report:
             if job.status == JobStatus.running and not search:
                 continue
             job.enqueued_at = now  # until the send after commit stamps it again
-            job_id = job.id
-            send = enqueue_search if search else enqueue_dispatch if job.world_size > 1 else enqueue_job
+            job_id, send = job.id, enqueue_for(job)
             on_commit(session, lambda send=send, job_id=job_id: send(settings, job_id))  # type: ignore[misc]
             report.resent.append(job.id)
 

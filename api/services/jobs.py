@@ -14,10 +14,10 @@ from ortune.db.base import new_id, utcnow
 from ortune.db.models import File, FileStatus, Job, JobStatus
 from ortune.db.repositories import EventRepository, FileRepository, JobRepository
 from ortune.nodes import NodeRepository, never_fits
-from ortune.queue import enqueue_dispatch, enqueue_job, enqueue_search, on_commit
+from ortune.queue import enqueue_for, enqueue_search, on_commit
 from ortune.settings import Settings
 from ortune.tenancy import Caller, TenantRepository
-from trainer_core import backends, registry, rows
+from trainer_core import registry, rows
 from trainer_core.spec import Distributed
 
 CANCELLABLE = (JobStatus.validating_files, JobStatus.queued, JobStatus.running, JobStatus.paused)
@@ -122,21 +122,13 @@ def create(
     )
     JobRepository(session).add(job)
     EventRepository(session).add(job.id, f"Created fine-tuning job {job.id}: {task} on {model.id}")
-    send = (
-        enqueue_search
-        if req.hyperparameter_search
-        else enqueue_dispatch
-        if dist.world_size > 1
-        else enqueue_job
-    )
-    on_commit(session, lambda: send(settings, job.id))
+    send, job_id = enqueue_for(job), job.id
+    on_commit(session, lambda: send(settings, job_id))
     return job
 
 
 def _check_fits(session: Session, dist: Distributed, spec: dict[str, Any], search: bool) -> None:
     """Refuse at once what can never run here; what cannot run now waits in `queued`."""
-    if dist.strategy == "zero1" and spec["backend"] == "ort":
-        raise APIError(backends.ZERO1_ORT, param="backend", code="unsupported")
     if search:
         raise APIError(
             "a hyperparameter search runs single-process trials; drop distributed or the search",
@@ -222,13 +214,6 @@ def pause(session: Session, settings: Settings, caller: Caller, job_id: str) -> 
             param="fine_tuning_job_id",
             code="job_not_pausable",
         )
-    if job.world_size > 1:
-        raise Conflict(
-            "pausing a multi-process job is not supported yet (its ranks would have to checkpoint together); "
-            "cancel it, or let a lost attempt resume from its last checkpoint",
-            param="fine_tuning_job_id",
-            code="job_not_pausable",
-        )
     repo = JobRepository(session)
     if not repo.transition(job_id, JobStatus.paused, only_from=[JobStatus.queued, JobStatus.running]):
         raise Conflict(
@@ -246,11 +231,18 @@ def pause(session: Session, settings: Settings, caller: Caller, job_id: str) -> 
     return job
 
 
+def _still_held(session: Session, job: Job) -> bool:
+    """A multi-process job's other nodes still upload their parts of the pause checkpoint."""
+    return job.world_size > 1 and any(
+        a.released_at is None for a in NodeRepository(session).of_attempt(job.id, job.attempt)
+    )
+
+
 def resume(session: Session, settings: Settings, caller: Caller, job_id: str) -> Job:
     """A paused job is queued again; its next attempt continues from its latest checkpoint."""
     job = get(session, caller, job_id)
     repo = JobRepository(session)
-    if job.status == JobStatus.paused and job.worker is not None:
+    if job.status == JobStatus.paused and (job.worker is not None or _still_held(session, job)):
         raise Conflict(
             f"job {job_id} is still stopping on worker {job.worker}; resume it once its checkpoint is stored",
             param="fine_tuning_job_id",
@@ -266,6 +258,7 @@ def resume(session: Session, settings: Settings, caller: Caller, job_id: str) ->
             code="job_not_resumable",
         )
     EventRepository(session).add(job_id, "Job resumed: queued for its next attempt")
-    on_commit(session, lambda: enqueue_job(settings, job_id))
+    send = enqueue_for(job)  # a multi-process job goes back to the scheduler
+    on_commit(session, lambda: send(settings, job_id))
     session.refresh(job)
     return job
