@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from api import errors
 from api.auth import KeyCache
+from api.deps import Reader
 from api.observability import JobCollector, RequestMetrics
 from api.routes import admin, dashboard, files, health, jobs, models, nodes
 from ortune import __version__
@@ -41,6 +42,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         region=settings.s3_region,
     )
     app.state.key_cache = KeyCache(settings.api_key_cache_seconds)
+    app.state.reader = Reader(settings.database_url)
     app.state.metrics = CollectorRegistry()
     app.state.metrics.register(JobCollector(settings.database_url))
     app.add_middleware(RequestMetrics, registry=app.state.metrics)

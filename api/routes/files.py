@@ -4,9 +4,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
+from sqlalchemy.orm import Session
 
 from api.auth import CallerDep
-from api.deps import SessionDep, SettingsDep, StoreDep
+from api.deps import ReadDep, SessionDep, SettingsDep, StoreDep
 from api.errors import ERRORS
 from api.schemas import FileDeleted, FileObject, Page, page
 from api.services import files, idempotency
@@ -72,25 +73,28 @@ async def upload_file(
 
 
 @router.get("", response_model=Page[FileObject])
-def list_files(
-    session: SessionDep,
+async def list_files(
+    read: ReadDep,
     caller: CallerDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
     purpose: str | None = None,
 ) -> Page[FileObject]:
     """List files, newest first."""
-    rows, more = FileRepository(session).list(
-        tenant_id=caller.tenant_id, after=after, limit=limit, purpose=purpose
-    )
-    data = [FileObject.of(f) for f in rows]
-    return page(data, more)
+
+    def work(session: Session) -> Page[FileObject]:
+        rows, more = FileRepository(session).list(
+            tenant_id=caller.tenant_id, after=after, limit=limit, purpose=purpose
+        )
+        return page([FileObject.of(f) for f in rows], more)
+
+    return await read(work)
 
 
 @router.get("/{file_id}", response_model=FileObject)
-def retrieve_file(file_id: str, session: SessionDep, caller: CallerDep) -> FileObject:
+async def retrieve_file(file_id: str, read: ReadDep, caller: CallerDep) -> FileObject:
     """Retrieve a file's metadata and check results."""
-    return FileObject.of(files.get(session, caller, file_id))
+    return await read(lambda session: FileObject.of(files.get(session, caller, file_id)))
 
 
 @router.get(

@@ -4,9 +4,10 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
+from sqlalchemy.orm import Session
 
 from api.auth import CallerDep
-from api.deps import SessionDep, SettingsDep, StoreDep
+from api.deps import ReadDep, SessionDep, SettingsDep, StoreDep
 from api.errors import ERRORS, APIError, NotFound
 from api.schemas import (
     ArtifactObject,
@@ -60,19 +61,22 @@ def create_job(
 
 
 @router.get("", response_model=Page[FineTuningJob])
-def list_jobs(
-    session: SessionDep, caller: CallerDep, after: str | None = None, limit: Limit = 20
+async def list_jobs(
+    read: ReadDep, caller: CallerDep, after: str | None = None, limit: Limit = 20
 ) -> Page[FineTuningJob]:
     """List jobs, newest first, in cursor pages."""
-    rows, more = JobRepository(session).list(tenant_id=caller.tenant_id, after=after, limit=limit)
-    data = [FineTuningJob.of(j) for j in rows]
-    return page(data, more)
+
+    def work(session: Session) -> Page[FineTuningJob]:
+        rows, more = JobRepository(session).list(tenant_id=caller.tenant_id, after=after, limit=limit)
+        return page([FineTuningJob.of(j) for j in rows], more)
+
+    return await read(work)
 
 
 @router.get("/{job_id}", response_model=FineTuningJob)
-def retrieve_job(job_id: str, session: SessionDep, caller: CallerDep) -> FineTuningJob:
+async def retrieve_job(job_id: str, read: ReadDep, caller: CallerDep) -> FineTuningJob:
     """Retrieve a job with its status, progress and the backend that ran it."""
-    return FineTuningJob.of(jobs.get(session, caller, job_id))
+    return await read(lambda session: FineTuningJob.of(jobs.get(session, caller, job_id)))
 
 
 @router.post("/{job_id}/cancel", response_model=FineTuningJob)
@@ -94,64 +98,82 @@ def resume_job(job_id: str, session: SessionDep, settings: SettingsDep, caller: 
 
 
 @router.get("/{job_id}/trials", response_model=Page[FineTuningJob])
-def list_trials(job_id: str, session: SessionDep, caller: CallerDep) -> Page[FineTuningJob]:
+async def list_trials(job_id: str, read: ReadDep, caller: CallerDep) -> Page[FineTuningJob]:
     """A hyperparameter search's trials (child jobs), oldest first."""
-    jobs.get(session, caller, job_id)
-    return page([FineTuningJob.of(j) for j in JobRepository(session).children(job_id)], False)
+
+    def work(session: Session) -> Page[FineTuningJob]:
+        jobs.get(session, caller, job_id)
+        return page([FineTuningJob.of(j) for j in JobRepository(session).children(job_id)], False)
+
+    return await read(work)
 
 
 @router.get("/{job_id}/events", response_model=Page[JobEventObject])
-def list_events(
-    job_id: str, session: SessionDep, caller: CallerDep, after: str | None = None, limit: Limit = 20
+async def list_events(
+    job_id: str, read: ReadDep, caller: CallerDep, after: str | None = None, limit: Limit = 20
 ) -> Page[JobEventObject]:
     """Events newest first; `after` is the id of the last event seen (ftevent-N)."""
-    jobs.get(session, caller, job_id)
     cursor = None
     if after is not None:
         raw = after.removeprefix("ftevent-")
         if not raw.isdigit():
             raise APIError(f"after must be an event id like ftevent-123, got {after!r}", param="after")
         cursor = int(raw)
-    rows, more = EventRepository(session).list(job_id, after=cursor, limit=limit)
-    data = [JobEventObject.of(e) for e in rows]
-    return page(data, more)
+
+    def work(session: Session) -> Page[JobEventObject]:
+        jobs.get(session, caller, job_id)
+        rows, more = EventRepository(session).list(job_id, after=cursor, limit=limit)
+        return page([JobEventObject.of(e) for e in rows], more)
+
+    return await read(work)
 
 
 @router.get("/{job_id}/checkpoints", response_model=Page[CheckpointObject])
-def list_checkpoints(
-    job_id: str, session: SessionDep, caller: CallerDep, after: str | None = None, limit: Limit = 10
+async def list_checkpoints(
+    job_id: str, read: ReadDep, caller: CallerDep, after: str | None = None, limit: Limit = 10
 ) -> Page[CheckpointObject]:
     """Checkpoints stored in object storage, latest step first."""
-    job = jobs.get(session, caller, job_id)
-    rows, more = CheckpointRepository(session).list(job_id, after=after, limit=limit)
-    data = [CheckpointObject.of(c, job.model) for c in rows]
-    return page(data, more)
+
+    def work(session: Session) -> Page[CheckpointObject]:
+        job = jobs.get(session, caller, job_id)
+        rows, more = CheckpointRepository(session).list(job_id, after=after, limit=limit)
+        return page([CheckpointObject.of(c, job.model) for c in rows], more)
+
+    return await read(work)
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsObject)
-def metrics(
+async def metrics(
     job_id: str,
-    session: SessionDep,
+    read: ReadDep,
     caller: CallerDep,
     name: Annotated[list[str] | None, Query()] = None,
     max_points: Annotated[int, Query(ge=2, le=20000)] = 1000,
 ) -> MetricsObject:
     """Metric series for charts, downsampled on the server to at most `max_points` per series."""
-    jobs.get(session, caller, job_id)
-    series = MetricRepository(session).series(job_id, name)
-    data, downsampled = {}, False
-    for key, points in series.items():
-        if len(points) > max_points:
-            points, downsampled = artifacts.downsample(points, max_points), True
-        data[key] = Series(steps=[s for s, _ in points], values=[v for _, v in points])
-    return MetricsObject(job_id=job_id, data=data, downsampled=downsampled)
+
+    def work(session: Session) -> MetricsObject:
+        jobs.get(session, caller, job_id)
+        series = MetricRepository(session).series(job_id, name)
+        data, downsampled = {}, False
+        for key, points in series.items():
+            if len(points) > max_points:
+                points, downsampled = artifacts.downsample(points, max_points), True
+            data[key] = Series(steps=[s for s, _ in points], values=[v for _, v in points])
+        return MetricsObject(job_id=job_id, data=data, downsampled=downsampled)
+
+    return await read(work)
 
 
 @router.get("/{job_id}/artifacts", response_model=list[ArtifactObject])
-def list_artifacts(job_id: str, session: SessionDep, caller: CallerDep) -> list[ArtifactObject]:
+async def list_artifacts(job_id: str, read: ReadDep, caller: CallerDep) -> list[ArtifactObject]:
     """The job's downloadable models with their manifests."""
-    jobs.get(session, caller, job_id)
-    return [ArtifactObject.of(a) for a in ArtifactRepository(session).for_job(job_id)]
+
+    def work(session: Session) -> list[ArtifactObject]:
+        jobs.get(session, caller, job_id)
+        return [ArtifactObject.of(a) for a in ArtifactRepository(session).for_job(job_id)]
+
+    return await read(work)
 
 
 @router.get(
