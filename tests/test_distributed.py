@@ -24,7 +24,8 @@ from ortune import embedded
 from ortune.client import Client
 from ortune.db.base import new_id
 from ortune.db.models import Assignment, Checkpoint, File, FileStatus, Job, JobStatus
-from ortune.db.session import session_scope
+from ortune.db.repositories import JobRepository
+from ortune.db.session import serialize, session_scope
 from ortune.nodes import NodeRepository
 from ortune.settings import Settings
 from tests.conftest import DEMO, events, upload, wait_for, worker_process, write_jsonl
@@ -64,7 +65,13 @@ def add_jobs(settings: Settings, shapes: list[tuple[int, int, int]]) -> list[str
                 task="sequence-classification",
                 training_file_id=file.id,
                 status=JobStatus.queued,
-                spec={"distributed": {"nodes": nodes, "procs_per_node": procs, "strategy": "ddp"}},
+                spec={
+                    "distributed": {"nodes": nodes, "procs_per_node": procs, "strategy": "ddp"},
+                    # what the API shows of a job, so these rows read like submitted ones
+                    "hyperparameters": {"n_epochs": 1, "batch_size": 8, "learning_rate_multiplier": 1.0},
+                    "optim": "adamw_torch",
+                    "precision": "fp32",
+                },
                 seed=1,
                 priority=priority,
                 backend_requested="torch",
@@ -132,6 +139,26 @@ def test_concurrent_dispatchers_never_double_book_and_keep_priority(
     assert not {a.job_id for a in again} & set(started)
 
 
+@pytest.mark.parametrize("settings", ["production"], indirect=True)
+def test_a_dispatch_round_waits_for_the_one_in_progress(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race the test above can only hit by chance, made certain: a round decides on a view taken after
+    the round before it committed, never beside it."""
+    monkeypatch.setattr(scheduler, "send_rank", lambda *_: None)
+    add_nodes(settings, a=1, b=1)
+    (job_id,) = add_jobs(settings, [(2, 1, 0)])
+    result: list[list[str]] = []
+    with session_scope(settings.database_url) as session:  # another dispatcher mid-round
+        serialize(session, "ortune.dispatch")
+        second = threading.Thread(target=lambda: result.append(scheduler.dispatch(settings)))
+        second.start()
+        second.join(timeout=1.0)
+        assert second.is_alive() and live(settings) == []  # it waits rather than deciding beside us
+    second.join(timeout=30)
+    assert result == [[job_id]]
+
+
 def test_a_gang_waits_whole_until_its_nodes_are_free(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -143,6 +170,31 @@ def test_a_gang_waits_whole_until_its_nodes_are_free(
     add_nodes(settings, b=1)
     assert scheduler.dispatch(settings) == [job]
     assert sorted((a.node_name, a.node_rank) for a in live(settings)) == [("a", 0), ("b", 1)]
+
+
+def test_a_paused_multi_process_job_resumes_only_once_every_node_let_go(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(scheduler, "send_rank", lambda *_: None)
+    add_nodes(settings, a=1, b=1)
+    (job_id,) = add_jobs(settings, [(2, 1, 0)])
+    assert scheduler.dispatch(settings) == [job_id]
+    with session_scope(settings.database_url) as session:  # rank 0 stored the checkpoint and let go
+        JobRepository(session).update(job_id, status=JobStatus.paused, worker=None)
+        NodeRepository(session).release(job_id, 1, "a", exit_code=0)
+    with TestClient(create_app(settings)) as client:
+        early = client.post(f"/v1/fine_tuning/jobs/{job_id}/resume")
+        assert early.status_code == 409, early.text
+        assert early.headers["Retry-After"] == "2"
+        error = early.json()["error"]
+        assert error["code"] == "job_pausing" and error["param"] == "fine_tuning_job_id"
+        assert f"job {job_id} is still stopping on node(s) b;" in error["message"]
+        with session_scope(settings.database_url) as session:  # node b stored its part
+            NodeRepository(session).release(job_id, 1, "b", exit_code=0)
+        resumed = client.post(f"/v1/fine_tuning/jobs/{job_id}/resume")
+        assert resumed.status_code == 200 and resumed.json()["status"] == "queued", resumed.text
+    assert scheduler.dispatch(settings) == [job_id]  # back to the scheduler, as attempt 2 on both nodes
+    assert sorted((a.node_name, a.attempt) for a in live(settings)) == [("a", 2), ("b", 2)]
 
 
 def test_a_job_that_can_never_fit_is_refused_at_submit(settings: Settings) -> None:

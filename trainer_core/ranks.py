@@ -55,7 +55,8 @@ def fingerprint(model: torch.nn.Module) -> torch.Tensor:
     total = torch.zeros(3, dtype=torch.float64)
     for i, p in enumerate(model.parameters()):
         x = p.detach().to("cpu", torch.float64)
-        total += torch.stack([x.sum(), (x * x).sum(), x.sum() * (i + 1)])
+        plain = x.sum()
+        total += torch.stack([plain, (x * x).sum(), plain * (i + 1)])
     return total
 
 

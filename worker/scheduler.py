@@ -1,9 +1,13 @@
 """Place queued multi-process jobs on free devices: by priority, then age; all nodes of a job at once.
 
-Jobs and nodes are taken with `SELECT ... FOR UPDATE SKIP LOCKED`, so two dispatchers never consider the
-same node at the same time, and the partial unique index on live assignments refuses a device given twice
-whatever happens. A job whose gang does not fit now waits in `queued`, and nothing of lower priority jumps
-ahead of it (it would starve). One `ortune.run_rank` task goes to each chosen node's own queue.
+A round first takes a transaction-scoped advisory lock, so dispatchers decide one after another, each on a
+fresh view of the whole queue. With row locks alone, a second dispatcher skipped the higher-priority jobs
+the first one held and started a lower one on nodes the first had just let go: strict priority broke under
+concurrency (the test of six dispatchers caught it). Jobs and nodes are then taken with
+`SELECT ... FOR UPDATE SKIP LOCKED`, so a row that an API call or a heartbeat holds only delays a placement,
+and the partial unique index on live assignments refuses a device given twice whatever happens. A job whose
+gang does not fit now waits in `queued`, and nothing of lower priority jumps ahead of it (it would starve).
+One `ortune.run_rank` task goes to each chosen node's own queue.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from sqlalchemy.exc import IntegrityError
 from ortune.db.base import utcnow
 from ortune.db.models import Assignment, Job, JobStatus, Node
 from ortune.db.repositories import EventRepository, JobRepository
-from ortune.db.session import session_scope
+from ortune.db.session import serialize, session_scope
 from ortune.nodes import NodeRepository
 from ortune.queue import on_commit, send_rank
 from ortune.settings import Settings
@@ -48,6 +52,7 @@ def dispatch(settings: Settings) -> list[str]:
 def _dispatch(settings: Settings) -> list[str]:
     started: list[str] = []
     with session_scope(settings.database_url) as session:
+        serialize(session, "ortune.dispatch")
         waiting = session.scalars(
             select(Job)
             .where(Job.status == JobStatus.queued, Job.world_size > 1)

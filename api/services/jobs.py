@@ -231,20 +231,30 @@ def pause(session: Session, settings: Settings, caller: Caller, job_id: str) -> 
     return job
 
 
-def _still_held(session: Session, job: Job) -> bool:
-    """A multi-process job's other nodes still upload their parts of the pause checkpoint."""
-    return job.world_size > 1 and any(
-        a.released_at is None for a in NodeRepository(session).of_attempt(job.id, job.attempt)
+def _stopping_on(session: Session, job: Job) -> str | None:
+    """Where a paused job is still storing its checkpoint: its worker, or for a multi-process job the nodes
+    that still upload their parts of it. None once it is stored everywhere."""
+    if job.worker is not None:
+        return f"worker {job.worker}"
+    if job.world_size == 1:
+        return None
+    held = sorted(
+        {
+            a.node_name
+            for a in NodeRepository(session).of_attempt(job.id, job.attempt)
+            if a.released_at is None
+        }
     )
+    return f"node(s) {', '.join(held)}" if held else None
 
 
 def resume(session: Session, settings: Settings, caller: Caller, job_id: str) -> Job:
     """A paused job is queued again; its next attempt continues from its latest checkpoint."""
     job = get(session, caller, job_id)
     repo = JobRepository(session)
-    if job.status == JobStatus.paused and (job.worker is not None or _still_held(session, job)):
+    if job.status == JobStatus.paused and (where := _stopping_on(session, job)) is not None:
         raise Conflict(
-            f"job {job_id} is still stopping on worker {job.worker}; resume it once its checkpoint is stored",
+            f"job {job_id} is still stopping on {where}; resume it once its checkpoint is stored",
             param="fine_tuning_job_id",
             code="job_pausing",
             headers={"Retry-After": "2"},

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -52,3 +53,14 @@ def session_scope(url: str) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def serialize(session: Session, name: str) -> None:
+    """Hold the lock `name` until this session's transaction ends: callers that take it run one at a time.
+
+    On Postgres an advisory transaction lock (released by commit or rollback, so never leaked). SQLite, the
+    embedded mode, has one writer and one worker process, so there is nothing to take there.
+    """
+    if session.get_bind().dialect.name == "postgresql":
+        key = zlib.crc32(name.encode())  # a stable 32-bit key; advisory keys are bigint
+        session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
