@@ -17,6 +17,7 @@ import httpx
 from pydantic import SecretStr
 
 from ortune.db.migrate import upgrade
+from ortune.queue import declare_queues
 from ortune.settings import Settings
 
 
@@ -118,6 +119,7 @@ def start(
 ) -> Services:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database_url)
+    declare_queues(settings, settings.queue)  # before the API and the workers reach for it together
     env = child_env(settings)
     log_dir = log_dir or settings.data_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

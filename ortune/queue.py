@@ -12,8 +12,12 @@ from functools import lru_cache
 from typing import Any
 
 from celery import Celery
+from kombu import Exchange
+from kombu import Queue as KombuQueue
 from sqlalchemy import event, update
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random
 
 from ortune.db.base import utcnow
 from ortune.db.models import Job
@@ -98,6 +102,29 @@ def _mark_enqueued(settings: Settings, job_id: str) -> None:
 def ping_broker(settings: Settings) -> None:
     with celery_app(settings.broker_url, settings.queue).connection_for_write() as conn:
         conn.ensure_connection(max_retries=1, timeout=2)
+
+
+def declare_queues(settings: Settings, *names: str) -> None:
+    """Create the embedded broker's queues before anyone consumes them.
+
+    kombu's SQLAlchemy transport creates its tables and queue rows on first use, guarded only by a lock
+    inside one process: two workers starting together on a fresh broker file raced there, and the loser died
+    with "UNIQUE constraint failed: kombu_queue.name" (a CI run caught it). Here losing that race is harmless:
+    a fresh connection tries again and finds what the winner made. Redis needs none of this.
+    """
+    if not settings.broker_url.startswith("sqla+"):
+        return
+    app = celery_app(settings.broker_url, settings.queue)
+    for attempt in Retrying(
+        retry=retry_if_exception_type(SQLAlchemyError),
+        stop=stop_after_attempt(10),
+        wait=wait_random(0.05, 0.5),
+        reraise=True,
+    ):
+        with attempt, app.connection_for_write() as conn:
+            channel = conn.default_channel
+            for name in names:
+                KombuQueue(name, Exchange(name, type="direct"), routing_key=name)(channel).declare()
 
 
 def on_commit(session: Session, fn: Callable[[], Any]) -> None:

@@ -5,9 +5,9 @@ Each worker process also runs the sweep (worker/sweep.py) in a thread while it i
 
 from typing import Any
 
-from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
+from celery.signals import worker_init, worker_ready, worker_shutdown, worker_shutting_down
 
-from ortune.queue import celery_app
+from ortune.queue import celery_app, declare_queues
 from ortune.settings import get_settings
 
 app = celery_app()
@@ -18,6 +18,13 @@ from worker.runner import DRAINING  # noqa: E402
 from worker.sweep import Sweeper  # noqa: E402
 
 _sweeper: list[Sweeper] = []
+
+
+@worker_init.connect
+def _declare_queues(**_: Any) -> None:
+    # before the consumer declares them itself, which on the embedded broker dies if it loses a race
+    settings = get_settings()
+    declare_queues(settings, settings.queue, settings.node_queue)
 
 
 @worker_ready.connect
