@@ -54,7 +54,7 @@ class Reader:
         return await anyio.to_thread.run_sync(self._run, work)
 
     def _run(self, work: Callable[[Session], T]) -> T:
-        with session_scope(self.database_url) as session:
+        with session_scope(self.database_url, autocommit=True) as session:
             return work(session)
 
 

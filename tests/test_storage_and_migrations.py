@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from sqlalchemy import text
 
 from ortune.db.base import Base
 from ortune.db.migrate import upgrade
-from ortune.db.session import make_engine
+from ortune.db.session import make_engine, session_scope
+from ortune.settings import Settings
 from ortune.storage import LocalStore, ObjectNotFound, ObjectStore, StorageError, open_store
 from tests import services
 
@@ -74,3 +76,25 @@ def test_migrations_build_the_schema_on_postgres(pg_server: str) -> None:
     finally:
         make_engine(url).dispose()
         services.drop_database(pg_server, name)
+
+
+@pytest.mark.parametrize("settings", ["production"], indirect=True)
+def test_reads_skip_the_transaction_and_writers_get_theirs_back(settings: Settings) -> None:
+    """The API's reads run in autocommit (one round trip each); the pooled connection they used must come
+    back to the next writer inside a transaction again, or its unit of work would commit piecemeal."""
+    url = settings.database_url
+    with session_scope(url, autocommit=True) as session:
+        used = session.connection().connection.dbapi_connection
+        assert used is not None and used.autocommit  # type: ignore[attr-defined]
+        session.execute(text("SELECT pg_sleep(0.01)"))
+        assert not session.execute(text("SELECT now() < statement_timestamp()")).scalar()  # its own txn
+    for _ in range(50):  # the pool hands its connections out in turn; find the one the read used
+        with session_scope(url) as session:
+            conn = session.connection().connection.dbapi_connection
+            if conn is used:
+                assert not conn.autocommit  # type: ignore[attr-defined]
+                session.execute(text("SELECT pg_sleep(0.01)"))
+                assert session.execute(text("SELECT now() < statement_timestamp()")).scalar()  # one txn
+                break
+    else:
+        raise AssertionError("the read's connection never came back from the pool")

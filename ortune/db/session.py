@@ -33,7 +33,9 @@ def make_engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # pool_size covers the API's usual concurrency (20 polling clients in bench/api_load): connections past
+    # it are overflow, closed on return and opened again on the next request, a fork on the server each time
+    return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=20)
 
 
 @lru_cache(maxsize=8)
@@ -41,10 +43,20 @@ def session_factory(url: str) -> sessionmaker[Session]:
     return sessionmaker(make_engine(url), expire_on_commit=False)
 
 
+@lru_cache(maxsize=8)
+def read_session_factory(url: str) -> sessionmaker[Session]:
+    """Sessions for reads that need no transaction: each statement commits by itself, so a read costs one
+    round trip instead of BEGIN, query and COMMIT (on Postgres, three trips and the server's CPU for each;
+    bench/api_load). Same pool as `session_factory`; the isolation level is set and reset per checkout."""
+    return sessionmaker(
+        make_engine(url).execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False
+    )
+
+
 @contextmanager
-def session_scope(url: str) -> Iterator[Session]:
-    """A unit of work: commit on success, roll back on error."""
-    session = session_factory(url)()
+def session_scope(url: str, *, autocommit: bool = False) -> Iterator[Session]:
+    """A unit of work: commit on success, roll back on error. `autocommit`: no transaction, for reads."""
+    session = (read_session_factory if autocommit else session_factory)(url)()
     try:
         yield session
         session.commit()
