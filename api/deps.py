@@ -7,6 +7,7 @@ from typing import Annotated, TypeVar
 
 import anyio
 from fastapi import Depends, Request
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from ortune.db.session import session_scope
@@ -54,6 +55,16 @@ class Reader:
         return await anyio.to_thread.run_sync(self._run, work)
 
     def _run(self, work: Callable[[Session], T]) -> T:
+        try:
+            return self._once(work)
+        except DBAPIError as exc:
+            # a pooled connection the database dropped (a restart): the pool has been invalidated, and a read
+            # is safe to run again on a fresh connection; a database still down raises again, a 503
+            if not exc.connection_invalidated:
+                raise
+            return self._once(work)
+
+    def _once(self, work: Callable[[Session], T]) -> T:
         with session_scope(self.database_url, autocommit=True) as session:
             return work(session)
 

@@ -292,3 +292,26 @@ def test_api_answers_503_while_the_database_is_down_and_recovers(tmp_path: Path)
             assert back.json()["data"][0]["id"] == job.json()["id"]  # nothing lost
     finally:
         cluster.remove()
+
+
+def test_a_read_after_a_database_restart_succeeds_at_once(tmp_path: Path) -> None:
+    """Reads skip the per-checkout ping; the first read on a connection the restart cut is run again on a
+    fresh one instead of failing."""
+    cluster = services.PostgresCluster(tmp_path / "pg")
+    cluster.start()
+    try:
+        url = services.create_database(cluster.url, "ortune")
+        from ortune.db.migrate import upgrade
+
+        upgrade(url)
+        s = Settings(data_dir=tmp_path / "state", database_url=url, api_port=services.free_port())
+        with TestClient(create_app(s)) as client:
+            file = upload(client, DEMO / "sentiment_train.jsonl").json()
+            assert client.get(f"/v1/files/{file['id']}").status_code == 200  # a pooled read connection
+            cluster.stop()
+            cluster.start()
+            again = client.get(f"/v1/files/{file['id']}")
+            assert again.status_code == 200, again.text
+            assert again.json()["id"] == file["id"]
+    finally:
+        cluster.remove()
