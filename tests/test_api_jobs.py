@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import io
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from fastapi.testclient import TestClient
 
+from api.services.artifacts import readahead
 from ortune.db.models import Artifact
 from ortune.db.repositories import ArtifactRepository, EventRepository, JobRepository, MetricRepository
 from ortune.db.session import session_scope
@@ -291,3 +295,62 @@ def test_readiness_reports_a_dead_broker(settings: Settings) -> None:
 def test_unknown_route_is_openai_shaped(client: TestClient) -> None:
     response = client.get("/v1/nothing")
     assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+
+
+class Chunks:
+    """A storage stream that records how far it was read and whether it was closed."""
+
+    def __init__(self, n: int, fail_at: int | None = None) -> None:
+        self.n, self.fail_at, self.read = n, fail_at, 0
+        self.closed = threading.Event()
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            for i in range(self.n):
+                if i == self.fail_at:
+                    raise OSError("the storage connection dropped")
+                self.read += 1
+                yield bytes([i]) * 4
+        finally:
+            self.closed.set()
+
+
+def test_readahead_streams_in_order_and_stays_bounded() -> None:
+    chunks = Chunks(50)
+
+    async def main() -> list[bytes]:
+        got = []
+        async for chunk in readahead(iter(chunks), depth=2):
+            assert chunks.read <= len(got) + 4  # queued (2), in the reader's hand (1), just yielded (1)
+            got.append(chunk)
+        return got
+
+    assert anyio.run(main) == [bytes([i]) * 4 for i in range(50)]
+    assert chunks.closed.wait(5)
+
+
+def test_readahead_stops_reading_when_the_client_goes_away() -> None:
+    chunks = Chunks(10_000)
+
+    async def main() -> None:
+        stream = readahead(iter(chunks), depth=2)
+        assert await stream.__anext__() == bytes([0]) * 4
+        await stream.aclose()  # what Starlette does when the client disconnects
+
+    anyio.run(main)
+    assert chunks.closed.wait(5)  # the storage stream is closed, not read to its end
+    assert chunks.read < 10
+
+
+def test_readahead_raises_what_storage_raised() -> None:
+    chunks = Chunks(10, fail_at=3)
+
+    async def main() -> int:
+        got = 0
+        async for _ in readahead(iter(chunks)):
+            got += 1
+        return got
+
+    with pytest.raises(OSError, match="storage connection dropped"):
+        anyio.run(main)
+    assert chunks.closed.wait(5)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import base64
+import queue
 import re
+import threading
+from collections.abc import AsyncIterator, Iterator
 
+import anyio.to_thread
 from fastapi.responses import Response, StreamingResponse
 
 from api.errors import RangeNotSatisfiable
@@ -40,6 +44,56 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     return first, last
 
 
+_END = object()
+
+
+async def readahead(chunks: Iterator[bytes], depth: int = 2) -> AsyncIterator[bytes]:
+    """Send one chunk while a thread of this download's own fetches the next ones from storage.
+
+    Read and send in turn, each waited for the other, and the API reached 0.70-0.75x of a raw S3 GET
+    (bench/artifact_io); overlapped, it is the slower of the two alone. At most `depth` chunks wait, so
+    memory stays flat in the artifact's size. A client that goes away stops the reader, which closes the
+    storage stream in its own thread.
+    """
+    ready: queue.Queue[object] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item: object) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            for chunk in chunks:
+                if not put(chunk):
+                    return
+            put(_END)
+        except BaseException as exc:  # raised in the response, where the download fails loudly
+            put(exc)
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+
+    threading.Thread(target=read, daemon=True, name="ortune-readahead").start()
+    try:
+        while True:
+            item = await anyio.to_thread.run_sync(ready.get)
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, bytes)
+            yield item
+    finally:
+        stop.set()
+
+
 def stream(store: ObjectStore, artifact: Artifact, range_header: str | None) -> Response:
     size = artifact.bytes
     digest = base64.b64encode(bytes.fromhex(artifact.sha256)).decode()
@@ -54,13 +108,13 @@ def stream(store: ObjectStore, artifact: Artifact, range_header: str | None) -> 
     if span is None:
         headers["Content-Length"] = str(size)
         return StreamingResponse(
-            store.iter_range(artifact.object_key), media_type="application/x-tar", headers=headers
+            readahead(store.iter_range(artifact.object_key)), media_type="application/x-tar", headers=headers
         )
     first, last = span
     headers["Content-Length"] = str(last - first + 1)
     headers["Content-Range"] = f"bytes {first}-{last}/{size}"
     return StreamingResponse(
-        store.iter_range(artifact.object_key, first, last),
+        readahead(store.iter_range(artifact.object_key, first, last)),
         status_code=206,
         media_type="application/x-tar",
         headers=headers,
