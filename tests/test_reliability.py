@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from fastapi.testclient import TestClient
 from api.main import create_app
 from ortune import embedded
 from ortune.client import Client
+from ortune.db.migrate import upgrade
 from ortune.settings import Settings
 from tests import services
 from tests.conftest import DEMO, events, upload, wait_for, worker_process, write_jsonl
@@ -261,57 +264,50 @@ def test_a_worker_shutting_down_checkpoints_and_hands_the_job_on(settings: Setti
         assert_steps_contiguous(client, job["id"], total)
 
 
-def test_api_answers_503_while_the_database_is_down_and_recovers(tmp_path: Path) -> None:
+@contextmanager
+def api_on_its_own_postgres(tmp_path: Path) -> Iterator[tuple[services.PostgresCluster, TestClient]]:
+    """The API on a Postgres cluster of the test's own, which the test may stop and start."""
     cluster = services.PostgresCluster(tmp_path / "pg")
     cluster.start()
     try:
         url = services.create_database(cluster.url, "ortune")
-        from ortune.db.migrate import upgrade
-
         upgrade(url)
         s = Settings(data_dir=tmp_path / "state", database_url=url, api_port=services.free_port())
         with TestClient(create_app(s)) as client:
-            file = upload(client, DEMO / "sentiment_train.jsonl").json()
-            job = client.post(
-                "/v1/fine_tuning/jobs", json={"model": "tiny-bert", "training_file": file["id"]}
-            )
-            assert job.status_code == 200
-            cluster.stop()
-            for path in ("/v1/fine_tuning/jobs", f"/v1/files/{file['id']}"):
-                down = client.get(path)
-                assert down.status_code == 503, down.text
-                assert down.headers["retry-after"] == "5"
-                assert down.json()["error"]["code"] == "database_unavailable"
-            assert client.get("/healthz").status_code == 200  # the process itself is fine
-            cluster.start()
-            back = wait_until(
-                "the API to recover",
-                lambda: (r := client.get("/v1/fine_tuning/jobs")).status_code == 200 and r,
-                timeout=60,
-            )
-            assert back.json()["data"][0]["id"] == job.json()["id"]  # nothing lost
+            yield cluster, client
     finally:
         cluster.remove()
+
+
+def test_api_answers_503_while_the_database_is_down_and_recovers(tmp_path: Path) -> None:
+    with api_on_its_own_postgres(tmp_path) as (cluster, client):
+        file = upload(client, DEMO / "sentiment_train.jsonl").json()
+        job = client.post("/v1/fine_tuning/jobs", json={"model": "tiny-bert", "training_file": file["id"]})
+        assert job.status_code == 200
+        cluster.stop()
+        for path in ("/v1/fine_tuning/jobs", f"/v1/files/{file['id']}"):
+            down = client.get(path)
+            assert down.status_code == 503, down.text
+            assert down.headers["retry-after"] == "5"
+            assert down.json()["error"]["code"] == "database_unavailable"
+        assert client.get("/healthz").status_code == 200  # the process itself is fine
+        cluster.start()
+        back = wait_until(
+            "the API to recover",
+            lambda: (r := client.get("/v1/fine_tuning/jobs")).status_code == 200 and r,
+            timeout=60,
+        )
+        assert back.json()["data"][0]["id"] == job.json()["id"]  # nothing lost
 
 
 def test_a_read_after_a_database_restart_succeeds_at_once(tmp_path: Path) -> None:
     """Reads skip the per-checkout ping; the first read on a connection the restart cut is run again on a
     fresh one instead of failing."""
-    cluster = services.PostgresCluster(tmp_path / "pg")
-    cluster.start()
-    try:
-        url = services.create_database(cluster.url, "ortune")
-        from ortune.db.migrate import upgrade
-
-        upgrade(url)
-        s = Settings(data_dir=tmp_path / "state", database_url=url, api_port=services.free_port())
-        with TestClient(create_app(s)) as client:
-            file = upload(client, DEMO / "sentiment_train.jsonl").json()
-            assert client.get(f"/v1/files/{file['id']}").status_code == 200  # a pooled read connection
-            cluster.stop()
-            cluster.start()
-            again = client.get(f"/v1/files/{file['id']}")
-            assert again.status_code == 200, again.text
-            assert again.json()["id"] == file["id"]
-    finally:
-        cluster.remove()
+    with api_on_its_own_postgres(tmp_path) as (cluster, client):
+        file = upload(client, DEMO / "sentiment_train.jsonl").json()
+        assert client.get(f"/v1/files/{file['id']}").status_code == 200  # a pooled read connection
+        cluster.stop()
+        cluster.start()
+        again = client.get(f"/v1/files/{file['id']}")
+        assert again.status_code == 200, again.text
+        assert again.json()["id"] == file["id"]
