@@ -24,6 +24,12 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
+# Each Postgres pool keeps 20 connections, the API's usual concurrency (20 polling clients in bench/api_load):
+# connections past pool_size are overflow, closed on return and opened again on the next request, a fork on
+# the server each time.
+POOL: dict[str, Any] = {"pool_size": 20, "max_overflow": 20}
+
+
 @lru_cache(maxsize=8)
 def make_engine(url: str) -> Engine:
     parsed = make_url(url)
@@ -33,9 +39,7 @@ def make_engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    # pool_size covers the API's usual concurrency (20 polling clients in bench/api_load): connections past
-    # it are overflow, closed on return and opened again on the next request, a fork on the server each time
-    return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=20)
+    return create_engine(url, pool_pre_ping=True, **POOL)
 
 
 @lru_cache(maxsize=8)
@@ -57,9 +61,7 @@ def read_session_factory(url: str) -> sessionmaker[Session]:
     if make_url(url).get_backend_name() == "sqlite":
         engine = make_engine(url).execution_options(isolation_level="AUTOCOMMIT")
     else:
-        engine = create_engine(
-            url, isolation_level="AUTOCOMMIT", pool_reset_on_return=None, pool_size=20, max_overflow=20
-        )
+        engine = create_engine(url, isolation_level="AUTOCOMMIT", pool_reset_on_return=None, **POOL)
     return sessionmaker(engine, expire_on_commit=False)
 
 
