@@ -44,12 +44,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+pytest: $(STAMP) system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
-bench: $(STAMP)
+bench: $(STAMP) system-deps
 	$(BIN)/python -m bench.run
 
 clean:
