@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import anyio
 from fastapi import Depends, Request
+from sqlalchemy import Select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from ortune.db.session import session_scope
+from ortune.db import reads
+from ortune.db.session import async_read_session_factory, session_scope
 from ortune.settings import Settings
 from ortune.storage import ObjectStore
 
@@ -40,31 +42,60 @@ T = TypeVar("T")
 
 
 class Reader:
-    """A read's whole unit of work in one trip to the thread pool: session, queries and response model.
+    """A read's whole unit of work, session to response model, in one call: `await read(work)`.
 
-    A sync handler with `SessionDep` makes several trips per request (the dependency's enter and exit, the
-    handler, and FastAPI's validation of a sync handler's response each go to the pool and back); under 20
-    polling clients those trips, not the query, were most of a poll's time (bench/api_load). Read handlers
-    are `async def` and hand one function to the pool; FastAPI then checks their response on the loop. A
-    client that goes away cannot leak the connection: the thread finishes its `session_scope` regardless."""
+    On Postgres the work runs on the event loop through an asyncpg session (`AsyncSession.run_sync` runs the
+    same ORM code, awaiting the driver underneath). On SQLite it runs in one trip to the thread pool; a sync
+    handler with `SessionDep` would make several (the dependency's enter and exit, the handler, FastAPI's
+    check of its response), and those trips were most of a poll's time (bench/api_load).
+
+    A read is shielded from cancellation: it takes milliseconds, and a client that goes away mid-read must
+    not leave its pooled connection half checked in.
+    """
 
     def __init__(self, database_url: str) -> None:
         self.database_url = database_url
+        self._async = async_read_session_factory(database_url)
+        self._pg = None if self._async is None else reads.PgReads(database_url)
+
+    async def rows(self, stmt: Select[Any], **params: Any) -> list[reads.Row]:
+        """One of `ortune.db.reads`' statements: on Postgres straight on asyncpg, else through a Session."""
+        if self._pg is not None:
+            with anyio.CancelScope(shield=True):
+                found = await self._pg.fetch(stmt, params)
+            return found
+        return await self(lambda session: reads.run_in_session(session, stmt, params))
+
+    async def one(self, stmt: Select[Any], **params: Any) -> reads.Row | None:
+        found = await self.rows(stmt, **params)
+        return found[0] if found else None
 
     async def __call__(self, work: Callable[[Session], T]) -> T:
-        return await anyio.to_thread.run_sync(self._run, work)
+        with anyio.CancelScope(shield=True):
+            try:
+                result = await self._once(work)
+            except DBAPIError as exc:
+                # a pooled connection the database dropped (a restart): the pool has been invalidated, and a
+                # read is safe to run again on a fresh connection; a database still down raises again, a 503
+                if not exc.connection_invalidated:
+                    raise
+                result = await self._once(work)
+        return result
 
-    def _run(self, work: Callable[[Session], T]) -> T:
-        try:
-            return self._once(work)
-        except DBAPIError as exc:
-            # a pooled connection the database dropped (a restart): the pool has been invalidated, and a read
-            # is safe to run again on a fresh connection; a database still down raises again, a 503
-            if not exc.connection_invalidated:
-                raise
-            return self._once(work)
+    async def _once(self, work: Callable[[Session], T]) -> T:
+        if self._async is None:
+            return await anyio.to_thread.run_sync(self._in_thread, work)
+        with reads.unreachable_as_operational_error("a read"):
+            async with self._async() as session:
+                return await session.run_sync(work)
 
-    def _once(self, work: Callable[[Session], T]) -> T:
+    async def close(self) -> None:
+        if self._async is not None:
+            await self._async.kw["bind"].dispose()
+        if self._pg is not None:
+            await self._pg.close()
+
+    def _in_thread(self, work: Callable[[Session], T]) -> T:
         with session_scope(self.database_url, autocommit=True) as session:
             return work(session)
 

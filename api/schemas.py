@@ -8,6 +8,7 @@ from typing import Annotated, Any, Generic, Literal, Protocol, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ortune.db.models import Artifact, Checkpoint, File, Job, JobEvent
+from ortune.db.reads import Row
 from ortune.search import HyperparameterSearch
 from trainer_core.spec import Backend, Distributed, Hyperparameters, Optim, Precision, Task
 
@@ -174,7 +175,7 @@ class FineTuningJob(BaseModel):
     distributed: dict[str, Any] | None = None
 
     @classmethod
-    def of(cls, job: Job) -> FineTuningJob:
+    def of(cls, job: Job | Row) -> FineTuningJob:
         hp = job.spec["hyperparameters"]
         openai_hp = {k: hp[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier")}
         return cls(
@@ -221,7 +222,7 @@ class JobEventObject(BaseModel):
     data: dict[str, Any] | None
 
     @classmethod
-    def of(cls, e: JobEvent) -> JobEventObject:
+    def of(cls, e: JobEvent | Row) -> JobEventObject:
         return cls(
             id=f"ftevent-{e.id}",
             created_at=ts(e.created_at) or 0,

@@ -1,8 +1,10 @@
 """The API under load: what a dashboard polls, beside /healthz on the same server, with a full database.
 
 The database holds 1,000 jobs, 100,000 metric points and 20,000 events. wrk (Debian's package) drives 20
-concurrent connections at each endpoint in turn, each request on a random job; the figures are requests/s as a
-ratio to /healthz measured in the same run (target >= 0.5x) and wrk's p99 latency (target < 50 ms).
+concurrent connections at each endpoint in turn, each request on a random job, after a 2 s warm-up that is not
+counted (it opens the pools' connections); the figures are requests/s as a ratio to /healthz measured in the
+same run and wrk's p99 latency. The targets (>= 0.5x, p99 < 50 ms) are the issue's, for the two reads a
+dashboard polls: the job and its events. Chart series and the job list are measured beside them, without one.
 
     python -m bench.api_load [--seconds 10] [--connections 20] [--out bench/results]
 """
@@ -30,6 +32,7 @@ from ortune.db.session import session_scope
 from ortune.settings import Settings
 
 DATA = Path(__file__).resolve().parents[1] / "ortune" / "demo_data" / "sentiment_train.jsonl"
+TARGETED = ("job poll", "events")
 ENDPOINTS = {
     "healthz": None,
     "job poll": "",
@@ -128,6 +131,7 @@ def run(config: str, seconds: int, connections: int, tmp: Path) -> dict[str, Any
                 script = tmp / f"{config}-{len(results)}.lua"
                 sample = random.sample(ids, 200)
                 script.write_text(SCRIPT % (", ".join(f'"{i}"' for i in sample), suffix))
+            wrk(url, 2, connections, script)  # warm-up
             results[name] = wrk(url, seconds, connections, script)
     health = results["healthz"]["requests_per_s"]
     for r in results.values():
@@ -147,17 +151,19 @@ def markdown(reports: list[dict[str, Any]]) -> str:
         f"### api_load (wrk, {r0['connections']} connections, {r0['seconds']} s per endpoint; 1,000 jobs, "
         "100k metric points, 20k events)",
         "",
-        "| configuration | endpoint | requests/s | ratio to /healthz (target >= 0.5x) "
-        "| p99 (target < 50 ms) |",
+        "| configuration | endpoint | requests/s | ratio to /healthz (target >= 0.5x for job poll and "
+        "events) | p99 (target < 50 ms for the same) |",
         "| --- | --- | --- | --- | --- |",
     ]
     for r in reports:
         for name, f in r["results"].items():
             bad = f" ({f['non_2xx']:.0f} non-2xx)" if f["non_2xx"] else ""
             ratio, p99 = f["ratio_to_healthz"], f["p99_ms"]
+            targeted = name in TARGETED
             lines.append(
-                f"| {r['config']} | {name} | {f['requests_per_s']:.0f}{bad} | {ratio:.2f}x "
-                f"({verdict(ratio >= 0.5)}) | {p99:.1f} ms ({verdict(p99 < 50)}) |"
+                f"| {r['config']} | {name} | {f['requests_per_s']:.0f}{bad} | {ratio:.2f}x"
+                f"{f' ({verdict(ratio >= 0.5)})' if targeted else ''} | {p99:.1f} ms"
+                f"{f' ({verdict(p99 < 50)})' if targeted else ''} |"
             )
     return "\n".join(lines)
 

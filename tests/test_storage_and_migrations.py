@@ -5,15 +5,20 @@ from __future__ import annotations
 import io
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
+import anyio
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import text
 
-from ortune.db.base import Base
+from ortune.db import reads
+from ortune.db.base import Base, new_id, utcnow
 from ortune.db.migrate import upgrade
+from ortune.db.models import File, FileStatus, Job, JobStatus
+from ortune.db.repositories import EventRepository, FileRepository, JobRepository
 from ortune.db.session import make_engine, session_scope
 from ortune.settings import Settings
 from ortune.storage import LocalStore, ObjectNotFound, ObjectStore, StorageError, open_store
@@ -92,3 +97,85 @@ def test_reads_skip_the_transaction_and_writers_keep_theirs(settings: Settings) 
     for _ in range(3):  # interleaved, so that a connection passed between the two would show
         assert not one_transaction(autocommit=True)
         assert one_transaction(autocommit=False)
+
+
+@pytest.mark.parametrize("settings", ["production"], indirect=True)
+def test_reads_on_asyncpg_give_what_sqlalchemy_gives(settings: Settings) -> None:
+    """The API's hot reads skip SQLAlchemy's execution on Postgres (ortune.db.reads): every column must come
+    back as the ORM reads it, with the same Python types (UTC datetimes, enums, JSON), None included."""
+    with session_scope(settings.database_url) as session:
+        train = FileRepository(session).add(
+            File(
+                id=new_id("file"),
+                filename="t.jsonl",
+                purpose="fine-tune",
+                bytes=1,
+                sha256="0" * 64,
+                object_key="k",
+                status=FileStatus.processed,
+            )
+        )
+        full = Job(
+            id=new_id("ftjob"),
+            model="tiny-bert",
+            task="sequence-classification",
+            training_file_id=train.id,
+            status=JobStatus.failed,
+            spec={"hyperparameters": {"n_epochs": 1}, "optim": "adamw_torch", "unicode": "é ✓"},
+            seed=7,
+            user_metadata={"team": "nlp"},
+            backend_requested="ort",
+            error={"code": "x", "message": "boom", "param": None},
+            result={"eval_accuracy": 0.9},
+            trained_tokens=2**40,
+            started_at=utcnow() - timedelta(minutes=5),
+            finished_at=utcnow(),
+        )
+        bare = Job(
+            id=new_id("ftjob"),
+            model="tiny-bert",
+            task="causal-lm",
+            training_file_id=train.id,
+            status=JobStatus.queued,
+            spec={},
+            seed=0,
+            backend_requested="torch",
+        )
+        JobRepository(session).add(full)
+        JobRepository(session).add(bare)
+        events = EventRepository(session)
+        events.add(full.id, "plain")
+        events.add(full.id, "Step 1", type="metrics", data={"step": 1, "loss": [0.5, None]}, level="warning")
+        for i in range(3):
+            events.add(full.id, f"message {i}")
+    queries = [
+        (reads.JOB, {"job_id": full.id}),
+        (reads.JOB, {"job_id": bare.id}),
+        (reads.JOB, {"job_id": "ftjob-none"}),
+        (reads.JOB_TENANT, {"job_id": full.id}),
+        (reads.EVENTS, {"job_id": full.id, "limit": 3}),
+        (reads.EVENTS, {"job_id": bare.id, "limit": 3}),
+    ]
+    with session_scope(settings.database_url) as session:
+        expected = [reads.run_in_session(session, stmt, params) for stmt, params in queries]
+        newest = expected[4][-1].id
+        queries.append((reads.EVENTS_BEFORE, {"job_id": full.id, "after": newest, "limit": 10}))
+        expected.append(reads.run_in_session(session, *queries[-1]))
+
+    async def on_asyncpg() -> list[list[reads.Row]]:
+        pg = reads.PgReads(settings.database_url)
+        try:
+            return [await pg.fetch(stmt, params) for stmt, params in queries]
+        finally:
+            await pg.close()
+
+    got = anyio.run(on_asyncpg)
+    assert got == expected
+    assert [len(rows) for rows in got] == [1, 1, 0, 1, 3, 0, 2]
+    for rows_got, rows_expected in zip(got, expected, strict=True):
+        for row_got, row_expected in zip(rows_got, rows_expected, strict=True):
+            for key, value in vars(row_expected).items():
+                assert type(getattr(row_got, key)) is type(value), key  # 1 == 1.0, a naive == aware: no
+    job = got[0][0]
+    assert job.status is JobStatus.failed and job.finished_at.tzinfo is not None
+    assert job.user_metadata == {"team": "nlp"} and job.spec["unicode"] == "é ✓"

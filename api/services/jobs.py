@@ -177,11 +177,22 @@ def _checked_search(hs: search.HyperparameterSearch, has_validation: bool) -> di
 
 def get(session: Session, caller: Caller, job_id: str) -> Job:
     job = JobRepository(session).get(job_id)
-    if job is None or job.tenant_id != caller.tenant_id:  # another tenant's job does not exist for you
-        raise NotFound(
-            f"no fine-tuning job with id {job_id!r}", param="fine_tuning_job_id", code="job_not_found"
-        )
+    if job is None or job.tenant_id != caller.tenant_id:
+        raise not_found(job_id)
     return job
+
+
+def require(session: Session, caller: Caller, job_id: str) -> None:
+    """The job exists for this caller (a read of its events, metrics or checkpoints needs no more)."""
+    if JobRepository(session).tenant_of(job_id) != caller.tenant_id:
+        raise not_found(job_id)
+
+
+def not_found(job_id: str) -> NotFound:
+    # another tenant's job does not exist for you: the same answer as a job that was never created
+    return NotFound(
+        f"no fine-tuning job with id {job_id!r}", param="fine_tuning_job_id", code="job_not_found"
+    )
 
 
 def cancel(session: Session, settings: Settings, caller: Caller, job_id: str) -> Job:

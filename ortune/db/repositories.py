@@ -73,6 +73,10 @@ class JobRepository:
             stmt = stmt.with_for_update()
         return self.session.scalars(stmt).first()
 
+    def tenant_of(self, job_id: str) -> str | None:
+        """The job's tenant, without loading the job (its spec is the bulk of the row)."""
+        return self.session.scalar(select(Job.tenant_id).where(Job.id == job_id))
+
     def list(self, *, tenant_id: str, after: str | None, limit: int) -> tuple[list[Job], bool]:
         stmt = select(Job).where(Job.tenant_id == tenant_id)
         stmt = _after(stmt, Job, _anchor(self.session, Job, after, tenant_id))
@@ -159,14 +163,6 @@ class EventRepository:
         """One multi-row INSERT (Core, not the ORM unit of work: 5x the rate, bench/metrics_ingest)."""
         if rows:
             self.session.execute(insert(JobEvent), list(rows))
-
-    def list(self, job_id: str, *, after: int | None, limit: int) -> tuple[list[JobEvent], bool]:
-        """Newest first, as OpenAI lists events; `after` is the id of the last event already seen."""
-        stmt = select(JobEvent).where(JobEvent.job_id == job_id)
-        if after is not None:
-            stmt = stmt.where(JobEvent.id < after)
-        rows = list(self.session.scalars(stmt.order_by(JobEvent.id.desc()).limit(limit + 1)))
-        return rows[:limit], len(rows) > limit
 
 
 class MetricRepository:

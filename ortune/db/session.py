@@ -9,8 +9,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import orjson
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session, sessionmaker
 
 
@@ -63,6 +65,28 @@ def read_session_factory(url: str) -> sessionmaker[Session]:
     else:
         engine = create_engine(url, isolation_level="AUTOCOMMIT", pool_reset_on_return=None, **POOL)
     return sessionmaker(engine, expire_on_commit=False)
+
+
+@lru_cache(maxsize=8)
+def async_read_session_factory(url: str) -> async_sessionmaker[AsyncSession] | None:
+    """The API's reads on Postgres, on the event loop: asyncpg, autocommit, no ping (as above).
+
+    A read's ORM code runs unchanged through `AsyncSession.run_sync`, with no hop to a thread pool: the hop
+    and the threads' fight for the GIL were half of a poll's CPU and most of its tail latency
+    (bench/api_load). asyncpg decodes rows in C, and jsonb through orjson. None for SQLite, whose driver has
+    no I/O to wait on: its reads stay on threads.
+    """
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "postgresql":
+        return None
+    engine = create_async_engine(
+        parsed.set(drivername="postgresql+asyncpg"),
+        isolation_level="AUTOCOMMIT",
+        pool_reset_on_return=None,
+        json_deserializer=orjson.loads,
+        **POOL,
+    )
+    return async_sessionmaker(engine, expire_on_commit=False)
 
 
 @contextmanager
