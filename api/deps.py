@@ -56,15 +56,13 @@ class Reader:
     def __init__(self, database_url: str) -> None:
         self.database_url = database_url
         self._async = async_read_session_factory(database_url)
-        self._pg = None if self._async is None else reads.PgReads(database_url)
+        self._direct = reads.direct_reads(database_url)
 
     async def rows(self, stmt: Select[Any], **params: Any) -> list[reads.Row]:
-        """One of `ortune.db.reads`' statements: on Postgres straight on asyncpg, else through a Session."""
-        if self._pg is not None:
-            with anyio.CancelScope(shield=True):
-                found = await self._pg.fetch(stmt, params)
-            return found
-        return await self(lambda session: reads.run_in_session(session, stmt, params))
+        """One of `ortune.db.reads`' statements, on the driver itself (see there)."""
+        with anyio.CancelScope(shield=True):
+            found = await self._direct.fetch(stmt, params)
+        return found
 
     async def one(self, stmt: Select[Any], **params: Any) -> reads.Row | None:
         found = await self.rows(stmt, **params)
@@ -92,8 +90,7 @@ class Reader:
     async def close(self) -> None:
         if self._async is not None:
             await self._async.kw["bind"].dispose()
-        if self._pg is not None:
-            await self._pg.close()
+        await self._direct.close()
 
     def _in_thread(self, work: Callable[[Session], T]) -> T:
         with session_scope(self.database_url, autocommit=True) as session:
