@@ -13,7 +13,9 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import text
+from sqlalchemy.orm import Session
 
+from api.deps import Reader
 from ortune.db import reads
 from ortune.db.base import Base, new_id, utcnow
 from ortune.db.migrate import upgrade
@@ -88,15 +90,26 @@ def test_reads_skip_the_transaction_and_writers_keep_theirs(settings: Settings) 
     """The API's reads run in autocommit (one round trip each), on connections of their own; a unit of work
     is still one transaction."""
 
-    def one_transaction(autocommit: bool) -> bool:
-        with session_scope(settings.database_url, autocommit=autocommit) as session:
-            session.execute(text("SELECT pg_sleep(0.01)"))
-            # now() is the start of the transaction: later than it only inside one that began earlier
-            return bool(session.execute(text("SELECT now() < statement_timestamp()")).scalar())
+    def in_a_transaction(session: Session) -> bool:
+        # now() is the start of the transaction: the same in two statements only inside one transaction
+        first = session.execute(text("SELECT now()")).scalar()
+        session.execute(text("SELECT pg_sleep(0.01)"))
+        return bool(first == session.execute(text("SELECT now()")).scalar())
+
+    async def api_read() -> bool:
+        reader = Reader(settings.database_url)
+        try:
+            return await reader(in_a_transaction)
+        finally:
+            await reader.close()
+
+    def unit_of_work() -> bool:
+        with session_scope(settings.database_url) as session:
+            return in_a_transaction(session)
 
     for _ in range(3):  # interleaved, so that a connection passed between the two would show
-        assert not one_transaction(autocommit=True)
-        assert one_transaction(autocommit=False)
+        assert not anyio.run(api_read)
+        assert unit_of_work()
 
 
 def test_reads_on_the_driver_give_what_sqlalchemy_gives(settings: Settings) -> None:

@@ -51,30 +51,25 @@ def session_factory(url: str) -> sessionmaker[Session]:
 
 @lru_cache(maxsize=8)
 def read_session_factory(url: str) -> sessionmaker[Session]:
-    """Sessions for reads that need no transaction (the API's GETs): each statement commits by itself.
-
-    On Postgres they have a pool of their own whose connections stay in autocommit: a read is one round
-    trip, where a transaction costs BEGIN and COMMIT too, and switching a shared pool's connections in and
-    out of autocommit at every checkout cost more CPU than the query (bench/api_load). Nor do they ping a
-    connection before each use: a read that meets a dead one is retried once (api.deps.Reader; the
-    pool is invalidated by then), which costs nothing while the database is up.
-    """
-    engine: Engine
-    if make_url(url).get_backend_name() == "sqlite":
-        engine = make_engine(url).execution_options(isolation_level="AUTOCOMMIT")
-    else:
-        engine = create_engine(url, isolation_level="AUTOCOMMIT", pool_reset_on_return=None, **POOL)
-    return sessionmaker(engine, expire_on_commit=False)
+    """Sessions for reads that need no transaction: each statement commits by itself. (The API's reads on
+    Postgres use `async_read_session_factory` instead.)"""
+    return sessionmaker(
+        make_engine(url).execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False
+    )
 
 
 @lru_cache(maxsize=8)
 def async_read_session_factory(url: str) -> async_sessionmaker[AsyncSession] | None:
-    """The API's reads on Postgres, on the event loop: asyncpg, autocommit, no ping (as above).
+    """The API's reads on Postgres (its GETs), on the event loop, through asyncpg; None for SQLite.
 
     A read's ORM code runs unchanged through `AsyncSession.run_sync`, with no hop to a thread pool: the hop
     and the threads' fight for the GIL were half of a poll's CPU and most of its tail latency
-    (bench/api_load). asyncpg decodes rows in C, and jsonb through orjson. None for SQLite, whose driver has
-    no I/O to wait on: its reads stay on threads.
+    (bench/api_load). The pool is the reads' own and its connections stay in autocommit: a read is one round
+    trip, where a transaction costs BEGIN and COMMIT too, and switching a shared pool's connections in and out
+    of autocommit at every checkout cost more CPU than the query. Nor do they ping a connection before each
+    use: a read that meets a dead one is retried once (api.deps.Reader; the pool is invalidated by then),
+    which costs nothing while the database is up. No overflow: past 20 reads at once, a read waits for a
+    connection (the hot reads have a pool of their own besides, ortune.db.reads).
     """
     parsed = make_url(url)
     if parsed.get_backend_name() != "postgresql":
@@ -84,7 +79,8 @@ def async_read_session_factory(url: str) -> async_sessionmaker[AsyncSession] | N
         isolation_level="AUTOCOMMIT",
         pool_reset_on_return=None,
         json_deserializer=orjson.loads,
-        **POOL,
+        pool_size=POOL["pool_size"],
+        max_overflow=0,
     )
     return async_sessionmaker(engine, expire_on_commit=False)
 
