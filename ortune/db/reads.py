@@ -14,6 +14,7 @@ ORM objects. Statements must be module constants: they are compiled once and cac
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -133,20 +134,25 @@ class PgReads(DirectReads):
         self.dsn = make_url(database_url).set(drivername="postgresql").render_as_string(hide_password=False)
         self.max_size = max_size
         self._pool: asyncpg.Pool | None = None
+        self._opening = asyncio.Lock()  # the first requests arrive together: one pool, not one each
 
     async def close(self) -> None:
         if self._pool is not None:
             await self._pool.close()
 
-    async def _records(self, sql: str, args: Sequence[Any]) -> Sequence[Iterable[Any]]:
-        # A connection the database closed (a restart) is noticed by the pool, which opens a new one on the
-        # next acquire; a read that was on it when it went is a 503, and the client's retry succeeds.
-        with unreachable_as_operational_error(sql):
+    async def _opened(self) -> asyncpg.Pool:
+        async with self._opening:
             if self._pool is None:
                 self._pool = await asyncpg.create_pool(
                     self.dsn, min_size=0, max_size=self.max_size, init=_json_codecs, reset=_keep
                 )
-            async with self._pool.acquire() as conn:
+            return self._pool
+
+    async def _records(self, sql: str, args: Sequence[Any]) -> Sequence[Iterable[Any]]:
+        # A connection the database closed (a restart) is noticed by the pool, which opens a new one on the
+        # next acquire; a read that was on it when it went is a 503, and the client's retry succeeds.
+        with unreachable_as_operational_error(sql):
+            async with (self._pool or await self._opened()).acquire() as conn:
                 return await conn.fetch(sql, *args)
 
 
