@@ -354,3 +354,22 @@ def test_readahead_raises_what_storage_raised() -> None:
     with pytest.raises(OSError, match="storage connection dropped"):
         anyio.run(main)
     assert chunks.closed.wait(5)
+
+
+def test_an_app_stopped_and_started_again_still_reads(settings: Settings) -> None:
+    """Stopping the app closes the hot reads' connections (ortune.db.reads); a later start opens new ones,
+    as a test client or schemathesis starts one app many times."""
+    from api.main import create_app
+
+    app = create_app(settings)
+    with TestClient(app) as client:
+        file = upload(client, Path(__file__).parents[1] / "ortune" / "demo_data" / "sentiment_train.jsonl")
+        job = create(client, model="tiny-bert", training_file=file.json()["id"]).json()
+        assert client.get(f"/v1/fine_tuning/jobs/{job['id']}").status_code == 200
+    for _ in range(2):
+        with TestClient(app) as client:
+            again = client.get(f"/v1/fine_tuning/jobs/{job['id']}")
+            assert again.status_code == 200, again.text
+            assert again.json()["status"] == job["status"]
+            events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events")
+            assert events.status_code == 200, events.text

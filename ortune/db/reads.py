@@ -137,8 +137,10 @@ class PgReads(DirectReads):
         self._opening = asyncio.Lock()  # the first requests arrive together: one pool, not one each
 
     async def close(self) -> None:
-        if self._pool is not None:
-            await self._pool.close()
+        """Close the pool; a later read opens a new one (an app may be started and stopped more than once)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
 
     async def _opened(self) -> asyncpg.Pool:
         async with self._opening:
@@ -173,8 +175,10 @@ class SqliteReads(DirectReads):
         self._conn: sqlite3.Connection | None = None
 
     async def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
+        """Close the connection; a later read opens a new one."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
     async def _records(self, sql: str, args: Sequence[Any]) -> Sequence[Iterable[Any]]:
         try:
