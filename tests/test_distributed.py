@@ -452,11 +452,11 @@ def test_pause_and_resume_a_zero1_job_across_two_nodes(settings: Settings, tmp_p
         stopped = next(e for e in log if e["message"].startswith("Training stopped on request at step"))
         step = stopped["data"]["step"]
         assert 5 <= step < total
+        wait_released(client)  # both nodes free while paused: node-b lets go once its part is stored
         with session_scope(s.database_url) as session:  # rank 0's checkpoint, and node-b's ZeRO shard
             ckpt = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job["id"])).one()
         assert ckpt.step == step and len(ckpt.parts or []) == 1, (ckpt.step, ckpt.parts)
         assert client.job(job["id"])["status"] == "paused"
-        wait_released(client)  # both nodes are free while it is paused
 
         resumed = client.post(f"/v1/fine_tuning/jobs/{job['id']}/resume")
         assert resumed["status"] == "queued"

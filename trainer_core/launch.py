@@ -220,5 +220,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _leave_together(code: int) -> None:
+    """A rank under torchrun that finished its work waits for the others, leaves the process group, and exits
+    without the interpreter's teardown.
+
+    The teardown runs ONNX Runtime's C++ destructors with threads still joinable, and a rank that had finished
+    now and then aborted there ("terminate called without an active exception", SIGABRT), failing a job whose
+    training and artifacts were complete (seen twice in tests/test_distributed, ddp with ORT). The barrier
+    comes first so that no rank closes its sockets while another still waits on a collective (an earlier try
+    without it cut a peer's checkpoint barrier short). Every file a rank writes is closed by the time `main`
+    returns; stdio is flushed here."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    if exit_code == 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+        _leave_together(exit_code)  # a failed rank exits as usual: the others may be gone
+    sys.exit(exit_code)
