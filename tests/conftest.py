@@ -17,11 +17,14 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session
 
 from api.main import create_app
 from ortune import embedded
 from ortune.client import Client
+from ortune.db.base import new_id
 from ortune.db.migrate import upgrade
+from ortune.db.models import File, FileStatus
 from ortune.settings import Settings
 from tests import services
 
@@ -104,6 +107,23 @@ def settings(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Setting
 def client(settings: Settings) -> Iterator[TestClient]:
     with TestClient(create_app(settings)) as c:
         yield c
+
+
+def processed_file(session: Session) -> File:
+    """A training file's row, checked and ready, for tests that write jobs straight into the database."""
+    file = File(
+        id=new_id("file"),
+        filename="t.jsonl",
+        purpose="fine-tune",
+        bytes=1,
+        sha256="0" * 64,
+        object_key="files/x",
+        status=FileStatus.processed,
+        row_kind="text_label",
+    )
+    session.add(file)
+    session.flush()
+    return file
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:

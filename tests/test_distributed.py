@@ -23,12 +23,12 @@ from api.main import create_app
 from ortune import embedded
 from ortune.client import Client
 from ortune.db.base import new_id
-from ortune.db.models import Assignment, Checkpoint, File, FileStatus, Job, JobStatus
+from ortune.db.models import Assignment, Checkpoint, Job, JobStatus
 from ortune.db.repositories import JobRepository
 from ortune.db.session import serialize, session_scope
 from ortune.nodes import NodeRepository
 from ortune.settings import Settings
-from tests.conftest import DEMO, events, upload, wait_for, worker_process, write_jsonl
+from tests.conftest import DEMO, events, processed_file, upload, wait_for, worker_process, write_jsonl
 from worker import scheduler
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -46,18 +46,7 @@ def add_jobs(settings: Settings, shapes: list[tuple[int, int, int]]) -> list[str
     """Queued jobs of (nodes, procs_per_node, priority), oldest first."""
     ids = []
     with session_scope(settings.database_url) as session:
-        file = File(
-            id=new_id("file"),
-            filename="t.jsonl",
-            purpose="fine-tune",
-            bytes=1,
-            sha256="0" * 64,
-            object_key="files/x",
-            status=FileStatus.processed,
-            row_kind="text_label",
-        )
-        session.add(file)
-        session.flush()
+        file = processed_file(session)
         for nodes, procs, priority in shapes:
             job = Job(
                 id=new_id("ftjob"),

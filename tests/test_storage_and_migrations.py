@@ -19,12 +19,13 @@ from api.deps import Reader
 from ortune.db import reads
 from ortune.db.base import Base, new_id, utcnow
 from ortune.db.migrate import upgrade
-from ortune.db.models import File, FileStatus, Job, JobStatus
-from ortune.db.repositories import EventRepository, FileRepository, JobRepository
+from ortune.db.models import Job, JobStatus
+from ortune.db.repositories import EventRepository, JobRepository
 from ortune.db.session import make_engine, session_scope
 from ortune.settings import Settings
 from ortune.storage import LocalStore, ObjectNotFound, ObjectStore, StorageError, open_store
 from tests import services
+from tests.conftest import processed_file
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -117,17 +118,7 @@ def test_reads_on_the_driver_give_what_sqlalchemy_gives(settings: Settings) -> N
     must come back as SQLAlchemy reads it, with the same Python types (UTC datetimes, enums, JSON), None
     included."""
     with session_scope(settings.database_url) as session:
-        train = FileRepository(session).add(
-            File(
-                id=new_id("file"),
-                filename="t.jsonl",
-                purpose="fine-tune",
-                bytes=1,
-                sha256="0" * 64,
-                object_key="k",
-                status=FileStatus.processed,
-            )
-        )
+        train = processed_file(session)
         full = Job(
             id=new_id("ftjob"),
             model="tiny-bert",
