@@ -14,11 +14,13 @@ from typing import Annotated
 import anyio.to_thread
 from fastapi import Depends, Request
 
+from api.caller import ANONYMOUS, Caller
 from api.errors import Forbidden, Unauthorized
 from ortune.db.models import DEFAULT_TENANT
+from ortune.db.repositories import KeyRepository
+from ortune.db.repositories.tenants import digest, looks_like_key
 from ortune.db.session import session_scope
 from ortune.settings import Settings
-from ortune.tenancy import ANONYMOUS, Caller, KeyRepository, digest, looks_like_key
 
 
 class KeyCache:

@@ -11,7 +11,7 @@ from sqlalchemy import Select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from ortune.db import reads
+from api import reads
 from ortune.db.session import async_read_session_factory, session_scope
 from ortune.settings import Settings
 from ortune.storage import ObjectStore
@@ -59,7 +59,7 @@ class Reader:
         self._direct = reads.direct_reads(database_url)
 
     async def rows(self, stmt: Select[Any], **params: Any) -> list[reads.Row]:
-        """One of `ortune.db.reads`' statements, on the driver itself (see there)."""
+        """One of `api.reads`' statements, on the driver itself (see there)."""
         with anyio.CancelScope(shield=True):
             found = await self._direct.fetch(stmt, params)
         return found

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from datetime import datetime
+from types import SimpleNamespace
 from typing import Annotated, Any, Generic, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ortune.db.models import Artifact, Checkpoint, File, Job, JobEvent
-from ortune.db.reads import Row
-from ortune.search import HyperparameterSearch
+from ortune.search_space import HyperparameterSearch
 from trainer_core.spec import Backend, Distributed, Hyperparameters, Optim, Precision, Task
 
 T = TypeVar("T")
@@ -175,8 +175,9 @@ class FineTuningJob(BaseModel):
     distributed: dict[str, Any] | None = None
 
     @classmethod
-    def of(cls, job: Job | Row) -> FineTuningJob:
-        hp = job.spec["hyperparameters"]
+    def of(cls, job: Job | SimpleNamespace) -> FineTuningJob:
+        spec = job.spec
+        hp = spec.hyperparameters.model_dump(mode="json")
         openai_hp = {k: hp[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier")}
         return cls(
             id=job.id,
@@ -198,17 +199,19 @@ class FineTuningJob(BaseModel):
             backend=job.backend_requested,
             backend_used=job.backend_used,
             backend_reason=job.backend_reason,
-            optim=job.spec["optim"],
-            precision=job.spec["precision"],
+            optim=spec.optim,
+            precision=spec.precision,
             priority=job.priority,
             attempt=job.attempt,
             progress=Progress(step=job.step, total_steps=job.total_steps),
             result=job.result,
             started_at=ts(job.started_at),
-            hyperparameter_search=job.spec.get("hyperparameter_search"),
+            hyperparameter_search=(
+                spec.hyperparameter_search.model_dump(mode="json") if spec.hyperparameter_search else None
+            ),
             parent_job_id=job.parent_id,
-            search_params=job.spec.get("search_params"),
-            distributed=job.spec.get("distributed"),
+            search_params=spec.search_params,
+            distributed=spec.distributed.model_dump(mode="json"),
         )
 
 
@@ -222,7 +225,7 @@ class JobEventObject(BaseModel):
     data: dict[str, Any] | None
 
     @classmethod
-    def of(cls, e: JobEvent | Row) -> JobEventObject:
+    def of(cls, e: JobEvent | SimpleNamespace) -> JobEventObject:
         return cls(
             id=f"ftevent-{e.id}",
             created_at=ts(e.created_at) or 0,

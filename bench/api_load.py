@@ -23,15 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import configuration, verdict, write
-from ortune import embedded
-from ortune.client import Client
+from ortune.cli import embedded
+from ortune.cli.client import Client
 from ortune.db.base import new_id, utcnow
 from ortune.db.models import Job, JobStatus
 from ortune.db.repositories import EventRepository, JobRepository, MetricRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
+from tests.support import DEMO
 
-DATA = Path(__file__).resolve().parents[1] / "ortune" / "demo_data" / "sentiment_train.jsonl"
+DATA = DEMO / "sentiment_train.jsonl"
 TARGETED = ("job poll", "events")
 ENDPOINTS = {
     "healthz": None,

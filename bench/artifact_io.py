@@ -23,13 +23,14 @@ import httpx
 import psutil
 
 from bench.common import configuration, median, verdict, write
-from ortune import embedded
-from ortune.client import Client
+from ortune.cli import embedded
+from ortune.cli.client import Client
 from ortune.db.models import Artifact
 from ortune.db.session import session_scope
 from ortune.storage import S3Store, open_store
+from tests.support import DEMO
 
-DATA = Path(__file__).resolve().parents[1] / "ortune" / "demo_data" / "sentiment_valid.jsonl"
+DATA = DEMO / "sentiment_valid.jsonl"
 MB = 1024 * 1024
 
 

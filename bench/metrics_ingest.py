@@ -18,15 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import configuration, write
-from ortune import embedded
-from ortune.client import Client
+from ortune.cli import embedded
+from ortune.cli.client import Client
 from ortune.db.repositories import MetricRepository
 from ortune.db.session import session_scope
+from tests.support import DEMO
 from worker.relay import Relay
 
 BATCHES = [1, 20, 200, 1000]
 TRAINING_POINTS_PER_S = 500.0
-DATA = Path(__file__).resolve().parents[1] / "ortune" / "demo_data" / "sentiment_valid.jsonl"
+DATA = DEMO / "sentiment_valid.jsonl"
 
 
 def ingest(database_url: str, job_id: str, events: int, batch: int, step0: int) -> float:

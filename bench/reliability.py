@@ -8,7 +8,6 @@ is held to (cancel within 10 s; recovery within the heartbeat timeout plus one s
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import tempfile
 import time
@@ -16,27 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import configuration, verdict, write
-from ortune import embedded
-from ortune.client import Client
+from ortune.cli import embedded
+from ortune.cli.client import Client
 from ortune.settings import Settings
-from tests.conftest import DEMO, write_jsonl
+from tests.support import submit
 
 CANCEL_LIMIT_S = 10.0
 TIMING = {"heartbeat_seconds": 1.0, "heartbeat_timeout_seconds": 10.0, "sweep_seconds": 1.0}
-
-
-def _submit(client: Client, tmp: Path, steps: int, every: int) -> str:
-    rows = [json.loads(x) for x in (DEMO / "sentiment_train.jsonl").read_text().splitlines()[:64]]
-    train = client.upload(write_jsonl(tmp / "train.jsonl", rows))
-    job = client.create_job(
-        model="tiny-bert",
-        training_file=train["id"],
-        backend="torch",
-        seed=1,
-        checkpoint_every_steps=every,
-        hyperparameters={"max_steps": steps, "batch_size": 8, "max_seq_length": 32},
-    )
-    return str(job["id"])
 
 
 def _until(check: Any, timeout: float = 300) -> float:
@@ -61,20 +46,20 @@ def measure(settings: Settings, tmp: Path) -> dict[str, float]:
     out: dict[str, float] = {}
     with embedded.start(settings, log_dir=tmp / "logs") as running:
         client = Client(settings.api_url)
-        job = _submit(client, tmp, 100_000, 100_000)
+        job = str(submit(client, tmp, 100_000, 100_000)["id"])
         _until(lambda: _step(client, job) >= 10)
         client.post(f"/v1/fine_tuning/jobs/{job}/cancel")
         out["cancel_s"] = _until(
             lambda: any(m.startswith("Training stopped") for m in _messages(client, job))
         )
 
-        job = _submit(client, tmp, 100_000, 100_000)
+        job = str(submit(client, tmp, 100_000, 100_000)["id"])
         _until(lambda: _step(client, job) >= 10)
         client.post(f"/v1/fine_tuning/jobs/{job}/pause")
         out["pause_s"] = _until(lambda: any(m.startswith("Paused;") for m in _messages(client, job)))
         client.post(f"/v1/fine_tuning/jobs/{job}/cancel")
 
-        job = _submit(client, tmp, 100_000, 50)
+        job = str(submit(client, tmp, 100_000, 50)["id"])
         _until(lambda: _step(client, job) >= 120)
         running.procs[0].kill()
         killed_at = time.monotonic()

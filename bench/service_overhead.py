@@ -29,13 +29,14 @@ from typing import Any
 from sqlalchemy import select
 
 from bench.common import configuration, median, verdict, write
-from ortune import embedded
-from ortune.client import Client
+from ortune.cli import embedded
+from ortune.cli.client import Client
 from ortune.db.models import Job, JobEvent
 from ortune.db.session import session_scope
 from ortune.settings import Settings
+from tests.support import DEMO
 
-DATA = Path(__file__).resolve().parents[1] / "ortune" / "demo_data" / "sentiment_train.jsonl"
+DATA = DEMO / "sentiment_train.jsonl"
 TARGET_LATENCY = {"embedded": 2.0, "production": 1.0}
 
 

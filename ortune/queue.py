@@ -14,13 +14,14 @@ from typing import Any
 from celery import Celery
 from kombu import Exchange
 from kombu import Queue as KombuQueue
-from sqlalchemy import event, update
+from sqlalchemy import event
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random
 
 from ortune.db.base import utcnow
 from ortune.db.models import Job
+from ortune.db.repositories import JobRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings, get_settings
 
@@ -83,7 +84,7 @@ def enqueue_dispatch(settings: Settings, job_id: str) -> None:
 def enqueue_for(job: Job) -> Callable[[Settings, str], None]:
     """The message that moves this job on: a search advances, a multi-process job waits for the scheduler,
     any other job goes to the shared queue. Chosen now, sent after commit (the row may be gone by then)."""
-    if job.spec.get("hyperparameter_search") is not None:
+    if job.spec.is_search:
         return enqueue_search
     return enqueue_dispatch if job.world_size > 1 else enqueue_job
 
@@ -96,7 +97,7 @@ def send_rank(settings: Settings, node_queue: str, rank: dict[str, Any]) -> None
 def _mark_enqueued(settings: Settings, job_id: str) -> None:
     """Record the hand-off, so the sweep can tell a job whose message never reached a worker."""
     with session_scope(settings.database_url) as session:
-        session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=utcnow()))
+        JobRepository(session).update(job_id, enqueued_at=utcnow())
 
 
 def ping_broker(settings: Settings) -> None:
@@ -108,9 +109,9 @@ def declare_queues(settings: Settings, *names: str) -> None:
     """Create the embedded broker's queues before anyone consumes them.
 
     kombu's SQLAlchemy transport creates its tables and queue rows on first use, guarded only by a lock
-    inside one process: two workers starting together on a fresh broker file raced there, and the loser died
-    with "UNIQUE constraint failed: kombu_queue.name" (a CI run caught it). Here losing that race is harmless:
-    a fresh connection tries again and finds what the winner made. Redis needs none of this.
+    inside one process, so two workers starting together on a fresh broker file race there ("UNIQUE
+    constraint failed: kombu_queue.name"). Here losing that race is harmless: a fresh connection tries again
+    and finds what the winner made. Redis needs none of this.
     """
     if not settings.broker_url.startswith("sqla+"):
         return

@@ -50,7 +50,6 @@ class Settings(BaseSettings):
     max_upload_bytes: int = 512 * MiB
     max_rows: int = 2_000_000
     max_steps: int = 1_000_000
-    default_page_limit: int = 20
     max_concurrent_jobs: int = Field(default=16, ge=1, description="Unfinished jobs per tenant at once.")
     idempotency_key_hours: float = 24.0
 

@@ -6,30 +6,22 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy.orm import Session
 
 from api.main import create_app
-from ortune import embedded
-from ortune.client import Client
-from ortune.db.base import new_id
+from ortune.cli import embedded
+from ortune.cli.client import Client
 from ortune.db.migrate import upgrade
-from ortune.db.models import File, FileStatus
 from ortune.settings import Settings
 from tests import services
+from tests.support import DEMO, embedded_settings, upload
 
-ROOT = Path(__file__).resolve().parents[1]
-DEMO = ROOT / "ortune" / "demo_data"
 RUN = uuid.uuid4().hex[:8]
 
 
@@ -62,15 +54,6 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[services.S3Server]:
     with services.seaweedfs(tmp_path_factory.mktemp("weed")) as server:
         yield server
-
-
-def embedded_settings(tmp: Path, **overrides: Any) -> Settings:
-    return Settings(
-        data_dir=tmp / "state",
-        api_port=services.free_port(),
-        queue=f"ortune.test.{uuid.uuid4().hex[:8]}",
-        **overrides,
-    )
 
 
 @pytest.fixture(params=["embedded", "production"])
@@ -109,35 +92,6 @@ def client(settings: Settings) -> Iterator[TestClient]:
         yield c
 
 
-def processed_file(session: Session) -> File:
-    """A training file's row, checked and ready, for tests that write jobs straight into the database."""
-    file = File(
-        id=new_id("file"),
-        filename="t.jsonl",
-        purpose="fine-tune",
-        bytes=1,
-        sha256="0" * 64,
-        object_key="files/x",
-        status=FileStatus.processed,
-        row_kind="text_label",
-    )
-    session.add(file)
-    session.flush()
-    return file
-
-
-def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def upload(client: TestClient, path: Path, **fields: str) -> Any:
-    with path.open("rb") as fh:
-        return client.post(
-            "/v1/files", files={"file": (path.name, fh)}, data={"purpose": "fine-tune", **fields}
-        )
-
-
 @pytest.fixture
 def train_file(client: TestClient) -> dict[str, Any]:
     response = upload(client, DEMO / "sentiment_train.jsonl")
@@ -152,44 +106,3 @@ def service(settings: Settings, tmp_path: Path) -> Iterator[Client]:
         yield Client(settings.api_url)
     for log in sorted(logs.glob("*.log")):
         print(f"--- {log.name} (tail)\n" + "".join(log.read_text(errors="replace").splitlines(True)[-40:]))
-
-
-@contextmanager
-def worker_process(settings: Settings, name: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """One more Celery worker (another node, or a successor to a killed one), stopped at the end if it
-    still runs."""
-    with log.open("ab") as fh:
-        proc = subprocess.Popen(
-            embedded.worker_command(settings, name=f"{name}-{time.monotonic_ns()}@%h"),
-            env=embedded.child_env(settings),
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-        proc.wait(60)
-
-
-def events(client: Client, job_id: str) -> list[dict[str, Any]]:
-    """All of a job's events, oldest first (the API pages them newest first)."""
-    out: list[dict[str, Any]] = []
-    after = None
-    while True:
-        page = client.get(f"/v1/fine_tuning/jobs/{job_id}/events", limit=100, after=after)
-        out += page["data"]
-        if not page["has_more"]:
-            return list(reversed(out))
-        after = page["data"][-1]["id"]
-
-
-def wait_for(client: Client, job_id: str, statuses: set[str], timeout: float = 300) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = client.job(job_id)
-        if job["status"] in statuses:
-            return job
-        time.sleep(0.3)
-    raise AssertionError(f"job {job_id} still {job['status']} after {timeout}s: {job}")

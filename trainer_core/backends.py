@@ -22,12 +22,16 @@ class BackendUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class BackendChoice:
     requested: str
-    used: str  # "torch", "ort", or "measure": auto with ORT available, decided by `measure`
+    used: str | None  # "torch" or "ort"; None while `auto` with ORT available awaits `measure`
     reason: str | None = None
     optim: str = "adamw_torch"
     ort_optim: str | None = None
     optim_note: str | None = None
     figures: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def needs_measurement(self) -> bool:
+        return self.used is None
 
 
 def ort_problem(spec: TrainingSpec, *, cuda: bool) -> str | None:
@@ -62,7 +66,7 @@ def choose(spec: TrainingSpec, *, cuda: bool) -> BackendChoice:
             "auto", "torch", "auto runs PyTorch for multi-process jobs; ask for ort to use it"
         )
     else:
-        choice = BackendChoice(spec.backend, "ort" if spec.backend == "ort" else "measure")
+        choice = BackendChoice(spec.backend, "ort" if spec.backend == "ort" else None)
     return _with_optimizer(choice, spec.optim, cuda=cuda)
 
 

@@ -1,9 +1,8 @@
 """Run one training job from its spec: `python -m trainer_core.launch spec.json`.
 
-Events go to stdout as JSON lines (see events.py); everything else goes to stderr. Exit status 0 means
-the model was trained, saved and exported; 2 means the spec cannot run here; 3 means a SIGTERM stopped it
-after saving a checkpoint (a pause; under torchrun every rank exits 0 then, and rank 0 emits a `stopped`
-event); 1 is any other failure.
+Events go to stdout as JSON lines (see events.py); everything else goes to stderr. The exit codes are
+the worker's contract (ortune/contract.py); under torchrun a rank stopped on request exits 0, and rank 0's
+`stopped` event tells the worker.
 """
 
 from __future__ import annotations
@@ -18,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from trainer_core.callbacks import StopOnRequest
+from trainer_core.contract import EXIT_FAILED, EXIT_OK, EXIT_SPEC_ERROR, EXIT_STOPPED, die_with_parent
 from trainer_core.events import EventStream
 from trainer_core.ranks import rank
 from trainer_core.spec import TrainingSpec
-
-STOPPED = 3
 
 
 class Stopped(Exception):
@@ -63,7 +61,7 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     train_set = data.encode(train_rows, loaded.tokenizer, spec)
     valid_set = data.encode(valid_rows, loaded.tokenizer, spec) if valid_rows else None
     ort_module = None
-    if choice.used == "measure":
+    if choice.needs_measurement:
         collate = data.Collator(loaded.tokenizer.pad_token_id, spec.task)
         batch = collate(train_set.items[: spec.hyperparameters.batch_size])
         try:
@@ -154,15 +152,8 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
 def _die_with_launcher() -> None:
     """torchrun starts each rank in a session of its own, so a worker killing torchrun's process group
     would leave the ranks training on: each rank asks the kernel to kill it when torchrun goes."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() == 1:  # torchrun was already gone
-        os._exit(1)
+    if die_with_parent() and os.getppid() == 1:  # torchrun was already gone
+        os._exit(EXIT_FAILED)
 
 
 def _report_backend(events: EventStream, choice: Any) -> None:
@@ -204,20 +195,20 @@ def main(argv: list[str] | None = None) -> int:
         run(spec, events, stop)
     except Stopped:
         # Under torchrun a rank's non-zero exit is a failure to its torchrun; rank 0's event says it stopped.
-        return 0 if "TORCHELASTIC_RUN_ID" in os.environ else STOPPED
+        return EXIT_OK if "TORCHELASTIC_RUN_ID" in os.environ else EXIT_STOPPED
     except (SpecError, BackendUnavailable, ModelLoadError, ValueError) as exc:
         events.emit("error", code=type(exc).__name__, message=str(exc))
         traceback.print_exc()
-        return 2
+        return EXIT_SPEC_ERROR
     except ExportError as exc:
         events.emit("error", code="ExportError", message=str(exc))
         traceback.print_exc()
-        return 1
+        return EXIT_FAILED
     except Exception as exc:
         events.emit("error", code=type(exc).__name__, message=f"{type(exc).__name__}: {exc}")
         traceback.print_exc()
-        return 1
-    return 0
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _leave_together(code: int) -> None:

@@ -197,11 +197,6 @@ def load_rows(path: Path, fmt: str) -> list[dict[str, Any]]:
     return out
 
 
-def sniff_format(sample: bytes) -> str:
-    text = sample.decode("utf-8", errors="replace").lstrip()
-    return "jsonl" if text.startswith("{") else "csv"
-
-
 __all__ = [
     "FORMATS",
     "KINDS",
@@ -215,5 +210,4 @@ __all__ = [
     "load_rows",
     "required_columns",
     "row_kind",
-    "sniff_format",
 ]

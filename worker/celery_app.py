@@ -14,7 +14,7 @@ app = celery_app()
 
 import worker.tasks  # noqa: E402,F401  (registers the tasks on app)
 from worker import distributed  # noqa: E402
-from worker.runner import DRAINING  # noqa: E402
+from worker.attempt import DRAINING  # noqa: E402
 from worker.sweep import Sweeper  # noqa: E402
 
 _sweeper: list[Sweeper] = []
@@ -37,7 +37,7 @@ def _start_sweep(**_: Any) -> None:
 
 @worker_shutting_down.connect
 def _drain(**_: Any) -> None:
-    DRAINING.set()  # the running job checkpoints and is requeued (worker/runner.py)
+    DRAINING.set()  # the running job checkpoints and is requeued (worker/trainer_process.py)
 
 
 @worker_shutdown.connect

@@ -16,18 +16,28 @@ import shutil
 import signal
 import subprocess
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from ortune.db.models import File, Job, JobStatus
-from ortune.db.repositories import CheckpointRepository, EventRepository, JobRepository
+from ortune.db.models import Job, JobStatus
+from ortune.db.repositories import (
+    CheckpointRepository,
+    EventRepository,
+    FileRepository,
+    JobRepository,
+    NodeRepository,
+)
 from ortune.db.session import session_scope
-from ortune.nodes import NodeRepository
 from ortune.settings import Settings
-from worker import runner
+from ortune.storage import ObjectStore
+from trainer_core.contract import log_tail
+from trainer_core.spec import TrainingSpec
+from worker import attempt
+from worker.attempt import WORKER, Claimed, Heartbeat, Outcome
+from worker.staging import pack, stage, store_of
+from worker.trainer_process import TrainerProcess, launch, signal_group
 
 log = logging.getLogger(__name__)
 FIRST_FAILURE_WAIT_S = 15.0  # how long rank 0 waits for the other nodes to report how their ranks ended
@@ -49,7 +59,7 @@ def register(settings: Settings) -> None:
             devices=devices,
             address=settings.node_address,
             queue=settings.node_queue,
-            worker=runner.WORKER,
+            worker=WORKER,
         )
     log.info("node %s: %d %s device(s), queue %s", settings.node_name, devices, kind, settings.node_queue)
 
@@ -81,35 +91,34 @@ def _env(settings: Settings, task: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def _load(settings: Settings, job_id: str, attempt: int) -> tuple[Job, File, File | None] | None:
+def _load(settings: Settings, job_id: str, attempt_no: int) -> Claimed | None:
+    """The attempt this node was sent, or None (and its devices released) when the job moved on."""
     with session_scope(settings.database_url) as session:
         job = JobRepository(session).get(job_id)
-        if job is None or job.attempt != attempt or job.status != JobStatus.running:
+        if job is None or job.attempt != attempt_no or job.status != JobStatus.running:
             NodeRepository(session).release(
-                job_id, attempt, settings.node_name, exit_code=None, error="stale"
+                job_id, attempt_no, settings.node_name, exit_code=None, error="stale"
             )
             return None
-        train = session.get(File, job.training_file_id)
-        valid = session.get(File, job.validation_file_id) if job.validation_file_id else None
-        assert train is not None
-        return job, train, valid
+        return Claimed(job, *FileRepository(session).of_job(job))
 
 
 def run_rank(settings: Settings, task: dict[str, Any]) -> str:
-    job_id, attempt, rank = task["job_id"], int(task["attempt"]), int(task["node_rank"])
-    loaded = _load(settings, job_id, attempt)
+    job_id, attempt_no, rank = task["job_id"], int(task["attempt"]), int(task["node_rank"])
+    loaded = _load(settings, job_id, attempt_no)
     if loaded is None:
         return "stale (the attempt moved on)"
-    job, train, valid = loaded
-    workdir = settings.job_work_dir / job.id / f"attempt-{attempt}" / f"node-{rank}"
-    store = runner._store(settings)
+    job = loaded.job
+    workdir = settings.job_work_dir / job.id / f"attempt-{attempt_no}" / f"node-{rank}"
+    store = store_of(settings)
     try:
-        spec = runner._stage(settings, store, job, train, valid, workdir, upload_spec=rank == 0)
+        spec = stage(settings, store, job, loaded.train, loaded.valid, workdir, lead=rank == 0)
     except Exception as exc:  # rank 0 aborts the attempt when it sees this (or it fails it itself)
-        _released(settings, job_id, attempt, STAGING_FAILED, f"staging failed: {type(exc).__name__}: {exc}")
+        attempt.release(
+            settings, job, settings.node_name, STAGING_FAILED, f"staging failed: {type(exc).__name__}: {exc}"
+        )
         if rank == 0:
-            error = {"code": "worker_error", "message": f"staging failed: {type(exc).__name__}: {exc}"}
-            runner._finish(settings, job, runner.Outcome(JobStatus.failed, error))
+            attempt.finish(settings, job, Outcome.worker_error(exc, "staging failed: "))
             return "failed while staging"
         raise
     command = _torchrun(settings, task, workdir / "spec.json")
@@ -118,18 +127,18 @@ def run_rank(settings: Settings, task: dict[str, Any]) -> str:
     return _follow(settings, job, workdir, command, task)
 
 
-def _released(settings: Settings, job_id: str, attempt: int, code: int | None, error: str | None) -> None:
-    with session_scope(settings.database_url) as session:
-        NodeRepository(session).release(job_id, attempt, settings.node_name, exit_code=code, error=error)
-
-
 def _lead(
-    settings: Settings, store: Any, job: Job, spec: Any, command: list[str], task: dict[str, Any]
+    settings: Settings,
+    store: ObjectStore,
+    job: Job,
+    spec: TrainingSpec,
+    command: list[str],
+    task: dict[str, Any],
 ) -> str:
-    heartbeat = runner.Heartbeat(settings, job.id, job.attempt)
+    heartbeat = Heartbeat(settings, job.id, job.attempt)
     heartbeat.start()
     try:
-        execution = runner.Execution(
+        process = TrainerProcess(
             settings,
             store,
             job,
@@ -139,19 +148,17 @@ def _lead(
             abort_when=lambda: _another_node_failed(settings, job),
             stop=_stop_ranks,
         )
-        outcome = execution.run()
+        outcome = process.run()
     except Exception as exc:
         log.exception("job %s failed on rank 0", job.id)
-        outcome = runner.Outcome(
-            JobStatus.failed, {"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"}
-        )
+        outcome = Outcome.worker_error(exc)
     finally:
         heartbeat.stop()
     code = 0 if outcome.status == JobStatus.succeeded else 1
-    _released(settings, job.id, job.attempt, code, (outcome.error or {}).get("message"))
+    attempt.release(settings, job, settings.node_name, code, (outcome.error or {}).get("message"))
     if outcome.status == JobStatus.failed:
-        outcome = runner.Outcome(JobStatus.failed, _first_failure(settings, job, outcome.error))
-    runner._finish(settings, job, outcome)
+        outcome = Outcome(JobStatus.failed, _first_failure(settings, job, outcome.error))
+    attempt.finish(settings, job, outcome)
     return outcome.status.value if outcome.status else "superseded"
 
 
@@ -198,7 +205,7 @@ def _first_failure(settings: Settings, job: Job, rank0_error: dict[str, Any] | N
     }
 
 
-def _upload_parts(settings: Settings, store: Any, job: Job, workdir: Path, rank: int) -> None:
+def _upload_parts(settings: Settings, store: ObjectStore, job: Job, workdir: Path, rank: int) -> None:
     """This node's part of each checkpoint rank 0 has recorded (its ranks' RNG state, under ZeRO their
     optimizer shards), so that any node can resume the whole job from object storage."""
     for path in sorted((workdir / "out" / "checkpoints").glob("checkpoint-*")):
@@ -209,7 +216,7 @@ def _upload_parts(settings: Settings, store: Any, job: Job, workdir: Path, rank:
             continue  # rank 0 is still saving (or uploading) it
         key = f"jobs/{job.id}/checkpoints/step-{step}.node-{rank}.tar"
         archive = workdir / f"part-{step}.tar"
-        runner._pack(path, archive)
+        pack(path, archive)
         store.put_path(key, archive)
         archive.unlink()
         with session_scope(settings.database_url) as session:
@@ -217,7 +224,7 @@ def _upload_parts(settings: Settings, store: Any, job: Job, workdir: Path, rank:
         shutil.rmtree(path)  # stored; this node never reads it again
 
 
-def _upload_last_parts(settings: Settings, store: Any, job: Job, workdir: Path, rank: int) -> None:
+def _upload_last_parts(settings: Settings, store: ObjectStore, job: Job, workdir: Path, rank: int) -> None:
     """Rank 0 records a checkpoint once it has uploaded it, which can be after this node's ranks exited
     (always so for the checkpoint of a pause): keep adding this node's parts until rank 0 lets go."""
     deadline = time.monotonic() + settings.pause_grace_seconds
@@ -238,37 +245,26 @@ def _upload_last_parts(settings: Settings, store: Any, job: Job, workdir: Path, 
 
 
 def _follow(settings: Settings, job: Job, workdir: Path, command: list[str], task: dict[str, Any]) -> str:
-    log_path = workdir / "trainer.log"
+    log_path, rank = workdir / "trainer.log", int(task["node_rank"])
     with log_path.open("w") as out:
-        proc = subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**runner.trainer_env(), **_env(settings, task)},
-            cwd=workdir,
-            start_new_session=True,
-            preexec_fn=runner._die_with_parent,
-        )
-        store = runner._store(settings)
+        proc = launch(command, cwd=workdir, env=_env(settings, task), stdout=out, stderr=subprocess.STDOUT)
+        store = store_of(settings)
         while proc.poll() is None:
             time.sleep(1.0)
             with session_scope(settings.database_url) as session:
                 status = JobRepository(session).status(job.id, attempt=job.attempt)
             if status not in (JobStatus.running, JobStatus.paused):
-                runner._signal(proc, signal.SIGKILL)
-            _upload_parts(settings, store, job, workdir, int(task["node_rank"]))
+                signal_group(proc, signal.SIGKILL)
+            _upload_parts(settings, store, job, workdir, rank)
         code = proc.wait()
         if code == 0:
-            _upload_last_parts(settings, store, job, workdir, int(task["node_rank"]))
+            _upload_last_parts(settings, store, job, workdir, rank)
     error = None
     if code != 0:
-        tail = "".join(deque(log_path.open(errors="replace"), maxlen=8)).strip()[-800:]
-        error = f"exit code {code}; last log lines: {tail}"
+        error = f"exit code {code}; last log lines: {log_tail(log_path, lines=8)}"
         with session_scope(settings.database_url) as session:
             EventRepository(session).add(
-                job.id,
-                f"Node rank {task['node_rank']} on {settings.node_name} failed: {error}",
-                level="error",
+                job.id, f"Node rank {rank} on {settings.node_name} failed: {error}", level="error"
             )
-    _released(settings, job.id, job.attempt, code, error)
-    return f"node rank {task['node_rank']}: exit code {code}"
+    attempt.release(settings, job, settings.node_name, code, error)
+    return f"node rank {rank}: exit code {code}"

@@ -1,9 +1,8 @@
 """Place queued multi-process jobs on free devices: by priority, then age; all nodes of a job at once.
 
 A round first takes a transaction-scoped advisory lock, so dispatchers decide one after another, each on a
-fresh view of the whole queue. With row locks alone, a second dispatcher skipped the higher-priority jobs
-the first one held and started a lower one on nodes the first had just let go: strict priority broke under
-concurrency (the test of six dispatchers caught it). Jobs and nodes are then taken with
+fresh view of the whole queue: with row locks alone, a second dispatcher would skip the higher-priority jobs
+the first one holds and start a lower one on nodes the first just let go. Jobs and nodes are then taken with
 `SELECT ... FOR UPDATE SKIP LOCKED`, so a row that an API call or a heartbeat holds only delays a placement,
 and the partial unique index on live assignments refuses a device given twice whatever happens. A job whose
 gang does not fit now waits in `queued`, and nothing of lower priority jumps ahead of it (it would starve).
@@ -14,16 +13,14 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
-from ortune.db.base import utcnow
-from ortune.db.models import Assignment, Job, JobStatus, Node
-from ortune.db.repositories import EventRepository, JobRepository
-from ortune.db.session import serialize, session_scope
-from ortune.nodes import NodeRepository
+from ortune import lifecycle
+from ortune.db.models import Assignment, Job, Node
+from ortune.db.repositories import JobRepository, NodeRepository
+from ortune.db.session import advisory_xact_lock, session_scope
 from ortune.queue import on_commit, send_rank
 from ortune.settings import Settings
 from trainer_core.spec import Distributed
@@ -52,13 +49,8 @@ def dispatch(settings: Settings) -> list[str]:
 def _dispatch(settings: Settings) -> list[str]:
     started: list[str] = []
     with session_scope(settings.database_url) as session:
-        serialize(session, "ortune.dispatch")
-        waiting = session.scalars(
-            select(Job)
-            .where(Job.status == JobStatus.queued, Job.world_size > 1)
-            .order_by(Job.priority.desc(), Job.created_at, Job.id)
-            .with_for_update(skip_locked=True)
-        ).all()
+        advisory_xact_lock(session, "ortune.dispatch")
+        waiting = JobRepository(session).waiting_gangs()
         if not waiting:
             return started
         nodes_repo = NodeRepository(session)
@@ -66,7 +58,7 @@ def _dispatch(settings: Settings) -> list[str]:
         taken = {(a.node_name, a.device) for a in nodes_repo.live_assignments([n.name for n in nodes])}
         free = {n.name: [d for d in range(n.devices) if (n.name, d) not in taken] for n in nodes}
         for job in waiting:
-            dist = Distributed(**job.spec["distributed"])
+            dist = job.spec.distributed
             placement = _place(nodes, free, dist)
             if placement is None:
                 break  # gang scheduling: it waits whole, and lower priorities wait behind it
@@ -79,32 +71,25 @@ def _dispatch(settings: Settings) -> list[str]:
 
 
 def _start(
-    session: Any, settings: Settings, job: Job, dist: Distributed, placement: list[tuple[Node, list[int]]]
+    session: Session, settings: Settings, job: Job, dist: Distributed, placement: list[tuple[Node, list[int]]]
 ) -> None:
-    attempt = job.attempt + 1
     master = placement[0][0]
-    JobRepository(session).transition(
-        job.id,
-        JobStatus.running,
-        only_from=[JobStatus.queued],
-        attempt=attempt,
-        started_at=job.started_at or utcnow(),
-        heartbeat_at=utcnow(),
-        worker=f"{master.worker} (rank 0 of {dist.nodes} nodes)",
+    where = ", ".join(f"{n.name} (rank {r}, devices {ds})" for r, (n, ds) in enumerate(placement))
+    attempt = lifecycle.place(
+        session,
+        job,
+        f"{master.worker} (rank 0 of {dist.nodes} nodes)",
+        f"{where}: {dist.nodes} x {dist.procs_per_node} process(es), {dist.strategy}",
+        {"nodes": [n.name for n, _ in placement], "strategy": dist.strategy},
     )
+    if attempt is None:  # the row is locked by this round; only a concurrent cancel gets here
+        return
     for rank, (node, devices) in enumerate(placement):
         for device in devices:
             session.add(
                 Assignment(job_id=job.id, attempt=attempt, node_name=node.name, node_rank=rank, device=device)
             )
     session.flush()  # the unique index speaks here, before anything is sent
-    where = ", ".join(f"{n.name} (rank {r}, devices {ds})" for r, (n, ds) in enumerate(placement))
-    EventRepository(session).add(
-        job.id,
-        f"Attempt {attempt} placed on {where}: "
-        f"{dist.nodes} x {dist.procs_per_node} process(es), {dist.strategy}",
-        data={"attempt": attempt, "nodes": [n.name for n, _ in placement], "strategy": dist.strategy},
-    )
     port = random.randint(20_000, 45_000)
     for rank, (node, devices) in enumerate(placement):
         task = {

@@ -19,14 +19,13 @@ import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from sqlalchemy import delete, or_, select
 from sqlalchemy.orm import Session
 
+from ortune import lifecycle
 from ortune.db.base import utcnow
-from ortune.db.models import IdempotencyKey, Job, JobStatus
-from ortune.db.repositories import CheckpointRepository, EventRepository, JobRepository
+from ortune.db.models import Job, JobStatus
+from ortune.db.repositories import IdempotencyRepository, JobRepository, NodeRepository
 from ortune.db.session import session_scope
-from ortune.nodes import NodeRepository
 from ortune.queue import enqueue_for, on_commit
 from ortune.settings import Settings
 from worker import scheduler
@@ -44,54 +43,12 @@ class Report:
 
 
 def _lost(session: Session, settings: Settings, job: Job, report: Report) -> None:
-    jobs, events = JobRepository(session), EventRepository(session)
     silent = (utcnow() - job.heartbeat_at).total_seconds() if job.heartbeat_at else float("inf")
-    latest = CheckpointRepository(session).latest(job.id)
-    lost = job.lost_attempts + 1
     NodeRepository(session).release_attempt(job.id, job.attempt)  # its devices are free again
-    said = f"Attempt {job.attempt} lost: worker {job.worker} sent no heartbeat for {silent:.0f}s"
-    data = {
-        "attempt": job.attempt,
-        "last_step": job.step,
-        "checkpoint_step": latest.step if latest else None,
-        "lost_attempts": lost,
-    }
-    if lost >= settings.max_attempts:
-        error = {
-            "code": "attempts_exhausted",
-            "message": f"{said}; {lost} attempts were lost, the limit is {settings.max_attempts}",
-        }
-        if jobs.transition(
-            job.id,
-            JobStatus.failed,
-            only_from=[JobStatus.running],
-            on_attempt=job.attempt,
-            finished_at=utcnow(),
-            error=error,
-            worker=None,
-            lost_attempts=lost,
-        ):
-            events.add(job.id, error["message"], level="error", data=data)
-            report.failed.append(job.id)
-        return
-    if jobs.transition(
-        job.id,
-        JobStatus.queued,
-        only_from=[JobStatus.running],
-        on_attempt=job.attempt,
-        worker=None,
-        enqueued_at=None,
-        lost_attempts=lost,
-    ):
-        where = f"the checkpoint at step {latest.step}" if latest else "the start (no checkpoint stored)"
-        events.add(
-            job.id,
-            f"{said}; requeued as attempt {job.attempt + 1}, resuming from {where}",
-            level="warn",
-            data=data,
-        )
-        job_id, send = job.id, enqueue_for(job)
-        on_commit(session, lambda: send(settings, job_id))
+    moved = lifecycle.requeue_lost(session, settings, job, silent)
+    if moved == JobStatus.failed:
+        report.failed.append(job.id)
+    elif moved == JobStatus.queued:
         report.requeued.append(job.id)
 
 
@@ -99,34 +56,17 @@ def sweep(settings: Settings) -> Report:
     report = Report()
     now = utcnow()
     with session_scope(settings.database_url) as session:
-        stale = (
-            select(Job)
-            .where(
-                Job.status == JobStatus.running,
-                Job.worker.is_not(None),
-                Job.heartbeat_at < now - timedelta(seconds=settings.heartbeat_timeout_seconds),
-            )
-            .with_for_update(skip_locked=True)
-        )
-        for job in session.scalars(stale).all():
+        since = now - timedelta(seconds=settings.heartbeat_timeout_seconds)
+        for job in JobRepository(session).silent_running(since):
             _lost(session, settings, job, report)
 
     with session_scope(settings.database_url) as session:
-        resend_before = now - timedelta(seconds=settings.requeue_after_seconds)
-        forgotten = select(Job).where(
-            or_(
-                Job.status == JobStatus.queued,
-                # a running search (no worker of its own) waits on nudges from its trials
-                (Job.status == JobStatus.running) & Job.worker.is_(None) & Job.heartbeat_at.is_(None),
-            ),
-            or_(
-                Job.enqueued_at.is_(None) & (Job.created_at < now - timedelta(seconds=FRESH_S)),
-                Job.enqueued_at < resend_before,
-            ),
+        unsent = JobRepository(session).unsent(
+            created_before=now - timedelta(seconds=FRESH_S),
+            sent_before=now - timedelta(seconds=settings.requeue_after_seconds),
         )
-        for job in session.scalars(forgotten.with_for_update(skip_locked=True)).all():
-            search = job.spec.get("hyperparameter_search") is not None
-            if job.status == JobStatus.running and not search:
+        for job in unsent:
+            if job.status == JobStatus.running and not job.spec.is_search:
                 continue
             job.enqueued_at = now  # until the send after commit stamps it again
             job_id, send = job.id, enqueue_for(job)
@@ -135,8 +75,7 @@ def sweep(settings: Settings) -> Report:
 
     with session_scope(settings.database_url) as session:
         cutoff = now - timedelta(hours=settings.idempotency_key_hours)
-        result = session.execute(delete(IdempotencyKey).where(IdempotencyKey.created_at < cutoff))
-        report.expired_keys = int(result.rowcount or 0)  # type: ignore[attr-defined]
+        report.expired_keys = IdempotencyRepository(session).expire_before(cutoff)
     if report.requeued or report.failed or report.resent:
         log.info("sweep: %s", report)
     return report

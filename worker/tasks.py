@@ -11,13 +11,14 @@ from celery.exceptions import Reject
 from ortune.queue import ADVANCE_SEARCH, DISPATCH, RUN_JOB, RUN_RANK
 from ortune.settings import get_settings
 from worker import distributed, runner, scheduler, search
+from worker.attempt import DRAINING
 
 log = logging.getLogger(__name__)
 
 
 @shared_task(name=RUN_JOB, acks_late=True, ignore_result=True)
 def run_job(job_id: str) -> None:
-    if runner.DRAINING.is_set():  # shutting down: leave the message to another worker
+    if DRAINING.is_set():  # shutting down: leave the message to another worker
         raise Reject("this worker is shutting down", requeue=True)
     outcome = runner.run(get_settings(), job_id)
     log.info("job %s: %s", job_id, outcome)

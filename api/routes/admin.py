@@ -12,7 +12,7 @@ from api.deps import SessionDep
 from api.errors import ERRORS, Conflict, NotFound
 from api.schemas import Page, ts
 from ortune.db.models import APIKey, Tenant
-from ortune.tenancy import KeyRepository, TenantExists, TenantRepository
+from ortune.db.repositories import KeyRepository, TenantExists, TenantRepository
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=ERRORS)
 

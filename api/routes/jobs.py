@@ -6,6 +6,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from sqlalchemy.orm import Session
 
+from api import reads
 from api.auth import CallerDep
 from api.deps import ReadDep, SessionDep, SettingsDep, StoreDep
 from api.errors import ERRORS, APIError, NotFound
@@ -21,7 +22,6 @@ from api.schemas import (
     page,
 )
 from api.services import artifacts, idempotency, jobs
-from ortune.db import reads
 from ortune.db.base import new_id
 from ortune.db.repositories import (
     ArtifactRepository,
@@ -123,7 +123,7 @@ async def list_events(
             raise APIError(f"after must be an event id like ftevent-123, got {after!r}", param="after")
         cursor = int(raw)
 
-    # what a dashboard's event feed polls: one statement on the driver itself (ortune.db.reads)
+    # what a dashboard's event feed polls: one statement on the driver itself (api.reads)
     if cursor is None:
         rows = await read.rows(reads.EVENTS, job_id=job_id, limit=limit + 1)
     else:

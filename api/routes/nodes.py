@@ -13,7 +13,7 @@ from api.deps import SessionDep, SettingsDep
 from api.errors import ERRORS
 from api.schemas import Page, ts
 from ortune.db.base import utcnow
-from ortune.nodes import NodeRepository
+from ortune.db.repositories import NodeRepository
 
 router = APIRouter(prefix="/v1/nodes", tags=["nodes"], responses=ERRORS)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
+from api.caller import Caller
 from api.errors import APIError, Conflict, NotFound
 from api.services.uploads import Upload
 from ortune.db.base import new_id
@@ -15,7 +16,6 @@ from ortune.db.models import File, FileStatus
 from ortune.db.repositories import FileRepository
 from ortune.settings import Settings
 from ortune.storage import ObjectStore
-from ortune.tenancy import Caller
 from trainer_core import rows
 
 PURPOSES = ("fine-tune",)

@@ -18,11 +18,12 @@ from fastapi import Request, Response
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from api.caller import Caller
 from api.errors import APIError, Conflict
 from ortune.db.base import utcnow
 from ortune.db.models import IdempotencyKey
+from ortune.db.repositories import IdempotencyRepository
 from ortune.settings import Settings
-from ortune.tenancy import Caller
 
 HEADER = "Idempotency-Key"
 REPLAYED = "Idempotent-Replayed"
@@ -57,8 +58,7 @@ def _existing(
     session: Session, settings: Settings, row: IdempotencyKey, endpoint: str, digest: str
 ) -> str | None:
     if row.created_at < utcnow() - timedelta(hours=settings.idempotency_key_hours):
-        session.delete(row)
-        session.flush()
+        IdempotencyRepository(session).drop(row)
         return None
     if row.endpoint != endpoint or row.request_sha256 != digest:
         raise APIError(
@@ -82,19 +82,18 @@ def claim(
 ) -> Claim:
     if key is None:
         return Claim(None, new_id)
-    row = session.get(IdempotencyKey, (caller.tenant_id, key))
+    keys = IdempotencyRepository(session)
+    row = keys.get(caller.tenant_id, key)
     if row is not None and (found := _existing(session, settings, row, endpoint, digest)) is not None:
         return Claim(found, found)
-    session.add(
-        IdempotencyKey(
-            tenant_id=caller.tenant_id, key=key, endpoint=endpoint, request_sha256=digest, resource_id=new_id
-        )
+    row = IdempotencyKey(
+        tenant_id=caller.tenant_id, key=key, endpoint=endpoint, request_sha256=digest, resource_id=new_id
     )
     try:
-        session.flush()
+        keys.add(row)
     except IntegrityError:  # a concurrent request with this key committed first
         session.rollback()
-        row = session.get(IdempotencyKey, (caller.tenant_id, key))
+        row = keys.get(caller.tenant_id, key)
         if row is None:
             raise Conflict(
                 f"a request with {HEADER} {key!r} is in progress; retry it shortly",

@@ -7,20 +7,26 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from api.caller import Caller
 from api.errors import APIError, Conflict, NotFound, TooManyRequests
 from api.schemas import JobCreate
-from ortune import search
-from ortune.db.base import new_id, utcnow
+from ortune import lifecycle
+from ortune.db.base import new_id
 from ortune.db.models import File, FileStatus, Job, JobStatus
-from ortune.db.repositories import EventRepository, FileRepository, JobRepository
-from ortune.nodes import NodeRepository, never_fits
-from ortune.queue import enqueue_for, enqueue_search, on_commit
+from ortune.db.repositories import (
+    EventRepository,
+    FileRepository,
+    JobRepository,
+    NodeRepository,
+    TenantRepository,
+    never_fits,
+)
+from ortune.jobspec import JobSpec
+from ortune.queue import enqueue_for, on_commit
+from ortune.search_space import HyperparameterSearch
 from ortune.settings import Settings
-from ortune.tenancy import Caller, TenantRepository
 from trainer_core import registry, rows
 from trainer_core.spec import Distributed
-
-CANCELLABLE = (JobStatus.validating_files, JobStatus.queued, JobStatus.running, JobStatus.paused)
 
 
 def _file(session: Session, caller: Caller, file_id: str, param: str, task: str | None) -> File:
@@ -88,21 +94,24 @@ def create(
             code="limit_exceeded",
         )
     dist = req.distributed or Distributed()
-
-    spec: dict[str, Any] = {
-        "task": task,
-        "labels": labels,
-        "backend": req.backend,
-        "optim": req.optim,
-        "precision": req.precision,
-        "checkpoint_every_steps": req.checkpoint_every_steps,
-        "distributed": dist.model_dump(mode="json"),
-    }
-    spec = search.with_hyperparameters(spec, hp, train.row_count)
+    searching = req.hyperparameter_search is not None
     if dist.world_size > 1:
-        _check_fits(session, dist, spec, req.hyperparameter_search is not None)
+        _check_fits(session, dist, hp.batch_size, searching)
     if req.hyperparameter_search is not None:
-        spec["hyperparameter_search"] = _checked_search(req.hyperparameter_search, valid is not None)
+        _check_search(req.hyperparameter_search, valid is not None)
+    spec = JobSpec.build(
+        hp,
+        train.row_count,
+        world_size=dist.world_size,
+        task=task,
+        labels=labels,
+        backend=req.backend,
+        optim=req.optim,
+        precision=req.precision,
+        checkpoint_every_steps=req.checkpoint_every_steps,
+        distributed=dist,
+        hyperparameter_search=req.hyperparameter_search,
+    )
     _check_quota(session, settings, caller)
     job = Job(
         id=job_id or new_id("ftjob"),
@@ -127,19 +136,16 @@ def create(
     return job
 
 
-def _check_fits(session: Session, dist: Distributed, spec: dict[str, Any], search: bool) -> None:
-    """Refuse at once what can never run here; what cannot run now waits in `queued`."""
+def _check_fits(session: Session, dist: Distributed, batch_size: int | str, search: bool) -> None:
+    """Refuse at once what can never run here; what cannot run now waits in `queued`. An "auto" batch is
+    rounded up to a multiple of the processes (JobSpec.build): only a batch the user set can fail to split."""
     if search:
         raise APIError(
             "a hyperparameter search runs single-process trials; drop distributed or the search",
             param="distributed",
             code="unsupported",
         )
-    resolved = spec["resolved_hyperparameters"]
-    if spec["requested_hyperparameters"].get("batch_size") is None:  # auto: the next multiple
-        resolved["batch_size"] = -(-resolved["batch_size"] // dist.world_size) * dist.world_size
-    batch_size = resolved["batch_size"]
-    if batch_size % dist.world_size:
+    if isinstance(batch_size, int) and batch_size % dist.world_size:
         raise APIError(
             f"batch_size {batch_size} (the global batch) does not split over {dist.world_size} processes; "
             "use a multiple",
@@ -165,14 +171,13 @@ def _check_quota(session: Session, settings: Settings, caller: Caller) -> None:
         )
 
 
-def _checked_search(hs: search.HyperparameterSearch, has_validation: bool) -> dict[str, Any]:
+def _check_search(hs: HyperparameterSearch, has_validation: bool) -> None:
     if hs.metric.startswith("eval_") and not has_validation:
         raise APIError(
             f"metric {hs.metric} needs a validation_file; without one, search on train_loss",
             param="hyperparameter_search.metric",
             code="invalid_search",
         )
-    return hs.model_dump(mode="json")
 
 
 def get(session: Session, caller: Caller, job_id: str) -> Job:
@@ -197,47 +202,33 @@ def not_found(job_id: str) -> NotFound:
 
 def cancel(session: Session, settings: Settings, caller: Caller, job_id: str) -> Job:
     job = get(session, caller, job_id)
-    repo = JobRepository(session)
-    if not repo.transition(job_id, JobStatus.cancelled, only_from=CANCELLABLE, finished_at=utcnow()):
-        current = repo.status(job_id)
+    if not lifecycle.cancel(session, settings, job):
         raise Conflict(
-            f"job {job_id} is already {current}; only a job that has not finished can be cancelled",
+            f"job {job_id} is already {JobRepository(session).status(job_id)}; only a job that has not "
+            "finished can be cancelled",
             param="fine_tuning_job_id",
             code="job_not_cancellable",
         )
-    EventRepository(session).add(job_id, "Job cancelled by request")
-    for trial in repo.children(job_id):  # a search's trials go with it
-        if repo.transition(trial.id, JobStatus.cancelled, only_from=CANCELLABLE, finished_at=utcnow()):
-            EventRepository(session).add(trial.id, f"Job cancelled with its search {job_id}")
-    if job.parent_id is not None:  # the search moves on to its next trial
-        parent = job.parent_id
-        on_commit(session, lambda: enqueue_search(settings, parent))
     session.refresh(job)
     return job
 
 
 def pause(session: Session, settings: Settings, caller: Caller, job_id: str) -> Job:
-    """A queued job is held; a running one checkpoints and lets go of its worker (see worker.runner)."""
+    """A queued job is held; a running one checkpoints and lets go of its worker (worker/trainer_process)."""
     job = get(session, caller, job_id)
-    if job.spec.get("hyperparameter_search") is not None or job.parent_id is not None:
+    if job.spec.is_search or job.parent_id is not None:
         raise Conflict(
             "a hyperparameter search and its trials cannot be paused; cancel the search instead",
             param="fine_tuning_job_id",
             code="job_not_pausable",
         )
-    repo = JobRepository(session)
-    if not repo.transition(job_id, JobStatus.paused, only_from=[JobStatus.queued, JobStatus.running]):
+    if not lifecycle.pause(session, job):
         raise Conflict(
-            f"job {job_id} is {repo.status(job_id)}; only a queued or running job can be paused",
+            f"job {job_id} is {JobRepository(session).status(job_id)}; only a queued or running job can be "
+            "paused",
             param="fine_tuning_job_id",
             code="job_not_pausable",
         )
-    held = job.worker is not None
-    EventRepository(session).add(
-        job_id,
-        "Pause requested: the trainer saves a checkpoint and stops" if held else "Job paused while queued",
-        data={"step": job.step},
-    )
     session.refresh(job)
     return job
 
@@ -262,7 +253,6 @@ def _stopping_on(session: Session, job: Job) -> str | None:
 def resume(session: Session, settings: Settings, caller: Caller, job_id: str) -> Job:
     """A paused job is queued again; its next attempt continues from its latest checkpoint."""
     job = get(session, caller, job_id)
-    repo = JobRepository(session)
     if job.status == JobStatus.paused and (where := _stopping_on(session, job)) is not None:
         raise Conflict(
             f"job {job_id} is still stopping on {where}; resume it once its checkpoint is stored",
@@ -270,16 +260,11 @@ def resume(session: Session, settings: Settings, caller: Caller, job_id: str) ->
             code="job_pausing",
             headers={"Retry-After": "2"},
         )
-    if not repo.transition(
-        job_id, JobStatus.queued, only_from=[JobStatus.paused], worker=None, enqueued_at=None
-    ):
+    if not lifecycle.resume(session, settings, job):
         raise Conflict(
-            f"job {job_id} is {repo.status(job_id)}; only a paused job can be resumed",
+            f"job {job_id} is {JobRepository(session).status(job_id)}; only a paused job can be resumed",
             param="fine_tuning_job_id",
             code="job_not_resumable",
         )
-    EventRepository(session).add(job_id, "Job resumed: queued for its next attempt")
-    send = enqueue_for(job)  # a multi-process job goes back to the scheduler
-    on_commit(session, lambda: send(settings, job_id))
     session.refresh(job)
     return job

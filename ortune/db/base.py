@@ -19,9 +19,12 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-# JSONB on Postgres, JSON elsewhere; BIGINT ids that still autoincrement on SQLite.
+# JSONB on Postgres, JSON elsewhere.
 JSONType = JSON().with_variant(JSONB(), "postgresql")
+# BIGINT ids that still autoincrement on SQLite (only INTEGER PRIMARY KEY does there).
 BigIntId = BigInteger().with_variant(Integer(), "sqlite")
+# Counts past 2**31 (bytes, tokens): the same column type as BigIntId, named for what it holds.
+BigCount = BigIntId
 
 
 class UTCDateTime(TypeDecorator[datetime]):

@@ -7,9 +7,12 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Boolean, Enum, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.types import JSON, TypeDecorator, TypeEngine
 
-from ortune.db.base import Base, BigIntId, JSONType, UTCDateTime, utcnow
+from ortune.db.base import Base, BigCount, BigIntId, JSONType, UTCDateTime, utcnow
+from ortune.jobspec import JobSpec
 
 
 class FileStatus(enum.StrEnum):
@@ -30,6 +33,22 @@ class JobStatus(enum.StrEnum):
     @property
     def terminal(self) -> bool:
         return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
+
+
+class JobSpecType(TypeDecorator[JobSpec]):
+    """A job's spec: stored as JSON, read back as the validated `JobSpec`."""
+
+    impl = JSON
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        return dialect.type_descriptor(JSONType)
+
+    def process_bind_param(self, value: JobSpec | None, dialect: Dialect) -> dict[str, Any] | None:
+        return None if value is None else value.stored()
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> JobSpec | None:
+        return None if value is None else JobSpec.model_validate(value)
 
 
 def _enum(cls: type[enum.Enum], name: str) -> Enum:
@@ -97,7 +116,7 @@ class File(Base):
     )
     filename: Mapped[str] = mapped_column(String(255))
     purpose: Mapped[str] = mapped_column(String(32))
-    bytes: Mapped[int] = mapped_column(BigIntId)
+    bytes: Mapped[int] = mapped_column(BigCount)
     sha256: Mapped[str] = mapped_column(String(64))
     object_key: Mapped[str] = mapped_column(String(512))
     status: Mapped[FileStatus] = mapped_column(_enum(FileStatus, "file_status"))
@@ -127,7 +146,7 @@ class Job(Base):
     training_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
     validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
     status: Mapped[JobStatus] = mapped_column(_enum(JobStatus, "job_status"))
-    spec: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    spec: Mapped[JobSpec] = mapped_column(JobSpecType)
     suffix: Mapped[str | None] = mapped_column(String(64))
     seed: Mapped[int] = mapped_column(Integer)
     user_metadata: Mapped[dict[str, str] | None] = mapped_column("metadata", JSONType)
@@ -139,7 +158,7 @@ class Job(Base):
     fine_tuned_model: Mapped[str | None] = mapped_column(String(512))
     step: Mapped[int] = mapped_column(Integer, default=0)
     total_steps: Mapped[int | None] = mapped_column(Integer)
-    trained_tokens: Mapped[int | None] = mapped_column(BigIntId)
+    trained_tokens: Mapped[int | None] = mapped_column(BigCount)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
@@ -192,7 +211,7 @@ class Checkpoint(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     step: Mapped[int] = mapped_column(Integer)
     object_key: Mapped[str] = mapped_column(String(512))
-    bytes: Mapped[int] = mapped_column(BigIntId)
+    bytes: Mapped[int] = mapped_column(BigCount)
     sha256: Mapped[str] = mapped_column(String(64))
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     # A multi-process job's checkpoint also has a part per other node (its ranks' RNG state, and under
@@ -209,7 +228,7 @@ class Artifact(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     format: Mapped[str] = mapped_column(String(16))
     object_key: Mapped[str] = mapped_column(String(512))
-    bytes: Mapped[int] = mapped_column(BigIntId)
+    bytes: Mapped[int] = mapped_column(BigCount)
     sha256: Mapped[str] = mapped_column(String(64))
     manifest: Mapped[dict[str, Any]] = mapped_column(JSONType)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -99,7 +99,7 @@ def session_scope(url: str, *, autocommit: bool = False) -> Iterator[Session]:
         session.close()
 
 
-def serialize(session: Session, name: str) -> None:
+def advisory_xact_lock(session: Session, name: str) -> None:
     """Hold the lock `name` until this session's transaction ends: callers that take it run one at a time.
 
     On Postgres an advisory transaction lock (released by commit or rollback, so never leaked). SQLite, the

@@ -1,0 +1,3 @@
+from ortune.cli.app import main
+
+main()

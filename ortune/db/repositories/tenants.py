@@ -1,0 +1,96 @@
+"""Tenants and their API keys: issued once, stored as SHA-256, looked up by digest.
+
+The API authenticates with `KeyRepository.lookup`; the CLI (`ortune keys`) and the admin endpoints issue and
+revoke keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Sequence
+
+from sqlalchemy import func, select
+
+from ortune.db.base import new_id, utcnow
+from ortune.db.models import APIKey, Job, JobStatus, Tenant
+from ortune.db.repositories.base import Repository
+
+KEY_PREFIX = "ortune-sk-"
+UNFINISHED = [s for s in JobStatus if not s.terminal]
+
+
+def digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def looks_like_key(token: str) -> bool:
+    return token.startswith(KEY_PREFIX)
+
+
+class TenantExists(ValueError):
+    pass
+
+
+class TenantRepository(Repository):
+    def get(self, tenant_id: str) -> Tenant | None:
+        return self.session.get(Tenant, tenant_id)
+
+    def by_name(self, name: str) -> Tenant | None:
+        return self.session.scalars(select(Tenant).where(Tenant.name == name)).first()
+
+    def list(self) -> Sequence[Tenant]:
+        return self.session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.id)).all()
+
+    def create(self, name: str, max_concurrent_jobs: int | None = None) -> Tenant:
+        if self.by_name(name) is not None:
+            raise TenantExists(f"a tenant named {name!r} exists already")
+        tenant = Tenant(id=new_id("tenant"), name=name, max_concurrent_jobs=max_concurrent_jobs)
+        self.session.add(tenant)
+        self.session.flush()
+        return tenant
+
+    def lock(self, tenant_id: str) -> Tenant | None:
+        """Serialise a tenant's job creations (its quota check) on Postgres; SQLite writes one at a time."""
+        return self.session.scalars(select(Tenant).where(Tenant.id == tenant_id).with_for_update()).first()
+
+    def unfinished_jobs(self, tenant_id: str) -> int:
+        stmt = (
+            select(func.count())
+            .select_from(Job)
+            .where(Job.tenant_id == tenant_id, Job.status.in_(UNFINISHED), Job.parent_id.is_(None))
+        )
+        return int(self.session.scalar(stmt) or 0)
+
+
+class KeyRepository(Repository):
+    def issue(self, tenant_id: str, name: str, *, admin: bool = False) -> tuple[APIKey, str]:
+        """A new key; the secret is returned here once and never stored."""
+        secret = KEY_PREFIX + secrets.token_urlsafe(32)
+        key = APIKey(
+            id=new_id("key"),
+            tenant_id=tenant_id,
+            name=name,
+            prefix=secret[: len(KEY_PREFIX) + 4],
+            sha256=digest(secret),
+            admin=admin,
+        )
+        self.session.add(key)
+        self.session.flush()
+        return key, secret
+
+    def lookup(self, secret: str) -> APIKey | None:
+        """The live key with this secret, or None (unknown or revoked)."""
+        stmt = select(APIKey).where(APIKey.sha256 == digest(secret), APIKey.revoked_at.is_(None))
+        return self.session.scalars(stmt).first()
+
+    def list(self, tenant_id: str) -> Sequence[APIKey]:
+        stmt = select(APIKey).where(APIKey.tenant_id == tenant_id).order_by(APIKey.created_at, APIKey.id)
+        return self.session.scalars(stmt).all()
+
+    def revoke(self, key_id: str) -> APIKey | None:
+        key = self.session.get(APIKey, key_id)
+        if key is not None and key.revoked_at is None:
+            key.revoked_at = utcnow()
+            self.session.flush()
+        return key

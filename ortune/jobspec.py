@@ -1,0 +1,90 @@
+"""The job spec as stored on a job row: what the API decided when it accepted the job, read by the API's
+responses, the scheduler, the search and the worker that stages the trainer's own `TrainingSpec`.
+
+Torch-free, strict (`extra="forbid"`) and versioned: rows written before `version` existed load as version 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, field_serializer
+
+from ortune.search_space import HyperparameterSearch
+from trainer_core.spec import (
+    Backend,
+    Distributed,
+    Hyperparameters,
+    Optim,
+    Precision,
+    ResolvedHyperparameters,
+    Task,
+)
+
+
+class JobSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: Literal[1] = 1
+    task: Task
+    labels: list[str | int] = []
+    backend: Backend = "auto"
+    optim: Optim = "adamw_torch"
+    precision: Precision = "fp32"
+    checkpoint_every_steps: int | None = None
+    distributed: Distributed = Distributed()
+    # As the user asked, with OpenAI's "auto" values shown resolved (the job's `hyperparameters` field)...
+    hyperparameters: Hyperparameters
+    # ...as asked (only what was set, stored without defaults), and as the trainer gets them.
+    requested_hyperparameters: Hyperparameters = Hyperparameters()
+    resolved_hyperparameters: ResolvedHyperparameters
+    hyperparameter_search: HyperparameterSearch | None = None
+    # A search trial's own parameters (a child job of a search).
+    search_params: dict[str, float | int] | None = None
+
+    @field_serializer("requested_hyperparameters")
+    def _only_what_was_asked(self, hp: Hyperparameters) -> dict[str, Any]:
+        return hp.model_dump(mode="json", exclude_defaults=True)
+
+    @classmethod
+    def build(cls, hp: Hyperparameters, n_rows: int, *, world_size: int = 1, **fields: Any) -> JobSpec:
+        """A spec with `hp` resolved for a file of `n_rows` rows. An "auto" batch of a multi-process job is
+        rounded up to a multiple of `world_size`, so that it splits over its processes."""
+        resolved = hp.resolved(n_rows)
+        shown = hp.model_dump(mode="json") | {
+            "n_epochs": resolved.n_epochs,
+            "batch_size": resolved.batch_size,
+            "learning_rate_multiplier": hp.learning_rate_multiplier,
+        }
+        if hp.batch_size == "auto" and world_size > 1:
+            batch = -(-resolved.batch_size // world_size) * world_size
+            resolved = resolved.model_copy(update={"batch_size": batch})
+        return cls(
+            hyperparameters=Hyperparameters(**shown),
+            requested_hyperparameters=hp,
+            resolved_hyperparameters=resolved,
+            **fields,
+        )
+
+    def trial(self, params: dict[str, Any], n_rows: int) -> JobSpec:
+        """The spec of a search trial: this search's spec with `params` in place of the searched values."""
+        hp = Hyperparameters(**self.requested_hyperparameters.model_dump(exclude_defaults=True) | params)
+        kept = self.model_dump(
+            exclude={
+                "hyperparameters",
+                "requested_hyperparameters",
+                "resolved_hyperparameters",
+                "hyperparameter_search",
+                "search_params",
+                "version",
+            }
+        )
+        return JobSpec.build(hp, n_rows, search_params=params, **kept)
+
+    @property
+    def is_search(self) -> bool:
+        return self.hyperparameter_search is not None
+
+    def stored(self) -> dict[str, Any]:
+        """The JSON the job row holds."""
+        return self.model_dump(mode="json")

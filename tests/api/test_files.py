@@ -1,0 +1,163 @@
+"""/v1/files against both configurations: uploads, checks, limits, and that bad input changes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from ortune.settings import Settings
+from tests.support import DEMO, upload, write_jsonl
+
+
+def _listing(client: TestClient) -> list[dict[str, Any]]:
+    return client.get("/v1/files").json()["data"]  # type: ignore[no-any-return]
+
+
+def test_upload_list_get_content_delete(client: TestClient, tmp_path: Path) -> None:
+    path = DEMO / "sentiment_train.jsonl"
+    created = upload(client, path).json()
+    assert created["object"] == "file" and created["status"] == "processed"
+    assert created["row_kind"] == "text_label" and created["row_count"] == 360
+    assert created["bytes"] == path.stat().st_size
+    assert client.get(f"/v1/files/{created['id']}").json() == created
+    assert [f["id"] for f in _listing(client)] == [created["id"]]
+    content = client.get(f"/v1/files/{created['id']}/content")
+    assert content.status_code == 200 and content.content == path.read_bytes()
+    deleted = client.delete(f"/v1/files/{created['id']}").json()
+    assert deleted == {"id": created["id"], "object": "file", "deleted": True}
+    assert client.get(f"/v1/files/{created['id']}").status_code == 404
+    assert _listing(client) == []
+
+
+def test_csv_upload_with_each_kind(client: TestClient, tmp_path: Path) -> None:
+    csv = tmp_path / "rows.csv"
+    csv.write_text('text,label\n"good, really",pos\nbad,neg\n')
+    body = upload(client, csv).json()
+    assert (body["status"], body["row_kind"], body["row_count"]) == ("processed", "text_label", 2)
+    pc = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "2+2=", "completion": "4"}])
+    assert upload(client, pc).json()["row_kind"] == "prompt_completion"
+    chat = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}],
+    )
+    assert upload(client, chat).json()["row_kind"] == "chat"
+
+
+def test_bad_rows_are_reported_with_their_line(client: TestClient, tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(
+        '{"text": "fine", "label": "a"}\n{"text": "no label"}\nnot json\n{"label": "b"}\n'
+        '{"text": "", "label": "a"}\n'
+    )
+    body = upload(client, path).json()
+    assert body["status"] == "error"
+    details = body["status_details"]
+    assert "line 2: a text row in a file of text_label rows" in details
+    assert "line 3: invalid JSON" in details
+    assert "line 4: missing required field 'text'" in details
+    assert "line 5: 'text' must be a non-empty string" in details
+
+
+def test_chat_rows_are_checked(client: TestClient, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "wizard", "content": "hi"}]}])
+    body = upload(client, path).json()
+    assert body["status"] == "error" and "line 1: messages[0].role must be one of" in body["status_details"]
+
+
+def test_task_field_checks_required_columns(client: TestClient, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "only text"}])
+    body = upload(client, path, task="sequence-classification").json()
+    assert body["status"] == "error"
+    assert "needs rows with {label, text}" in body["status_details"]
+
+
+def test_unsupported_type_is_refused_and_nothing_is_stored(client: TestClient, tmp_path: Path) -> None:
+    before = upload(client, DEMO / "sentiment_valid.jsonl").json()
+    path = tmp_path / "data.parquet"
+    path.write_bytes(b"PAR1")
+    response = upload(client, path)
+    assert response.status_code == 400
+    err = response.json()["error"]
+    assert (err["code"], err["param"]) == ("invalid_file_format", "file")
+    assert "upload .jsonl or .csv" in err["message"]
+    assert _listing(client) == [before]
+
+
+def test_missing_and_bad_purpose(client: TestClient, tmp_path: Path) -> None:
+    path = DEMO / "sentiment_valid.jsonl"
+    with path.open("rb") as fh:
+        response = client.post("/v1/files", files={"file": (path.name, fh)})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "purpose"
+    response = upload(client, path, purpose="batch")
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_purpose"
+    response = client.post("/v1/files", data={"purpose": "fine-tune"}, files={"other": ("x", b"1")})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "file"
+    assert _listing(client) == []
+
+
+def test_upload_limit_is_413_and_leaves_no_trace(settings: Settings, tmp_path: Path) -> None:
+    from api.main import create_app
+
+    small = settings.model_copy(update={"max_upload_bytes": 4096})
+    with TestClient(create_app(small)) as client:
+        kept = upload(client, write_jsonl(tmp_path / "ok.jsonl", [{"text": "a", "label": "x"}])).json()
+        big = write_jsonl(tmp_path / "big.jsonl", [{"text": "word " * 50, "label": "x"}] * 100)
+        response = upload(client, big)
+        assert response.status_code == 413
+        err = response.json()["error"]
+        assert (err["code"], err["param"]) == ("payload_too_large", "file")
+        assert "4096 bytes" in err["message"]
+        assert _listing(client) == [kept]
+        uploads = small.job_work_dir / "uploads"
+        assert not uploads.exists() or list(uploads.iterdir()) == []
+
+
+def test_row_limit(settings: Settings, tmp_path: Path) -> None:
+    from api.main import create_app
+
+    with TestClient(create_app(settings.model_copy(update={"max_rows": 3}))) as client:
+        body = upload(client, write_jsonl(tmp_path / "r.jsonl", [{"text": "a", "label": "x"}] * 5)).json()
+    assert body["status"] == "error" and "line 4: more than 3 rows (limit max_rows)" in body["status_details"]
+
+
+def test_not_utf8(client: TestClient, tmp_path: Path) -> None:
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes('{"text": "caf\xe9", "label": "a"}\n'.encode("latin-1"))
+    body = upload(client, path).json()
+    assert body["status"] == "error" and "not UTF-8" in body["status_details"]
+
+
+def test_unknown_file_is_404(client: TestClient) -> None:
+    for method, url in (
+        ("GET", "/v1/files/file-nope"),
+        ("GET", "/v1/files/file-nope/content"),
+        ("DELETE", "/v1/files/file-nope"),
+    ):
+        response = client.request(method, url)
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "file_not_found"
+
+
+def test_file_in_use_cannot_be_deleted(client: TestClient, train_file: dict[str, Any]) -> None:
+    job = client.post("/v1/fine_tuning/jobs", json={"model": "tiny-bert", "training_file": train_file["id"]})
+    assert job.status_code == 200, job.text
+    response = client.delete(f"/v1/files/{train_file['id']}")
+    assert response.status_code == 409 and response.json()["error"]["code"] == "file_in_use"
+    assert client.get(f"/v1/files/{train_file['id']}").json()["status"] == "processed"
+
+
+def test_malformed_multipart_is_400_not_500(client: TestClient) -> None:
+    boundary = "7c5156fb04a2177cf9e322ad31ebde44"  # a body schemathesis found: a part with no headers
+    response = client.post(
+        "/v1/files",
+        content=f"--{boundary}\r\nNone--{boundary}--\r\n".encode(),
+        headers={"content-type": f"multipart/form-data; boundary={boundary}"},
+    )
+    assert response.status_code == 400
+    assert (
+        response.json()["error"]["code"] == "invalid_upload"
+        and "malformed" in response.json()["error"]["message"]
+    )

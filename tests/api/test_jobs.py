@@ -1,0 +1,375 @@
+"""/v1/fine_tuning/jobs on both configurations: validation, paging, cancel, events, metrics, artifacts."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from fastapi.testclient import TestClient
+
+from api.services.artifacts import readahead
+from ortune.db.models import Artifact
+from ortune.db.repositories import ArtifactRepository, EventRepository, JobRepository, MetricRepository
+from ortune.db.session import session_scope
+from ortune.settings import Settings
+from ortune.storage import open_store
+from tests.support import DEMO, upload, write_jsonl
+
+
+def create(client: TestClient, **body: Any) -> Any:
+    return client.post("/v1/fine_tuning/jobs", json=body)
+
+
+def _jobs(client: TestClient) -> list[dict[str, Any]]:
+    return client.get("/v1/fine_tuning/jobs", params={"limit": 100}).json()["data"]  # type: ignore[no-any-return]
+
+
+def test_create_and_retrieve(client: TestClient, train_file: dict[str, Any]) -> None:
+    response = create(
+        client,
+        model="tiny-bert",
+        training_file=train_file["id"],
+        suffix="mine",
+        seed=3,
+        metadata={"team": "nlp"},
+        hyperparameters={"n_epochs": 2, "batch_size": 4},
+        backend="torch",
+        checkpoint_every_steps=5,
+    )
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["object"] == "fine_tuning.job" and job["id"].startswith("ftjob-")
+    assert job["status"] == "queued" and job["task"] == "sequence-classification"
+    assert job["hyperparameters"] == {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": "auto"}
+    assert (job["seed"], job["suffix"], job["metadata"], job["backend"]) == (
+        3,
+        "mine",
+        {"team": "nlp"},
+        "torch",
+    )
+    assert client.get(f"/v1/fine_tuning/jobs/{job['id']}").json() == job
+    events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events").json()["data"]
+    assert events[0]["message"].startswith("Created fine-tuning job")
+
+
+def test_openai_method_shape(client: TestClient, train_file: dict[str, Any]) -> None:
+    job = create(
+        client,
+        model="tiny-bert",
+        training_file=train_file["id"],
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 4}}},
+    ).json()
+    assert job["hyperparameters"]["n_epochs"] == 4
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        ({"colour": "red"}, "colour", "unknown field 'colour'"),
+        (
+            {"hyperparameters": {"n_epoch": 3}},
+            "hyperparameters.n_epoch",
+            "unknown field 'hyperparameters.n_epoch'",
+        ),
+        ({"hyperparameters": {"n_epochs": 0}}, "hyperparameters.n_epochs", "greater than or equal to 1"),
+        ({"backend": "tpu"}, "backend", "backend"),
+        ({"suffix": "no spaces"}, "suffix", "suffix"),
+        ({"distributed": {"nodes": 2, "strategy": "zero3"}}, "distributed.strategy", "strategy"),
+    ],
+)
+def test_invalid_payload_is_422_naming_the_field(
+    client: TestClient, train_file: dict[str, Any], body: dict[str, Any], param: str, fragment: str
+) -> None:
+    response = create(client, model="tiny-bert", training_file=train_file["id"], **body)
+    assert response.status_code == 422
+    err = response.json()["error"]
+    assert err["param"] == param and fragment in err["message"]
+    assert _jobs(client) == []
+
+
+def test_missing_model_is_422(client: TestClient, train_file: dict[str, Any]) -> None:
+    response = create(client, training_file=train_file["id"])
+    assert response.status_code == 422 and response.json()["error"]["param"] == "model"
+
+
+def test_unknown_model_and_file_are_404_with_param(client: TestClient, train_file: dict[str, Any]) -> None:
+    response = create(client, model="gpt-99", training_file=train_file["id"])
+    assert response.status_code == 404
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (
+        "model",
+        "model_not_found",
+    )
+    response = create(client, model="tiny-bert", training_file="file-missing")
+    assert response.status_code == 404 and response.json()["error"]["param"] == "training_file"
+    response = create(client, model="tiny-bert", training_file=train_file["id"], validation_file="file-x")
+    assert response.status_code == 404 and response.json()["error"]["param"] == "validation_file"
+    assert _jobs(client) == []
+
+
+def test_files_that_do_not_fit_the_job(
+    client: TestClient, tmp_path: Path, train_file: dict[str, Any]
+) -> None:
+    bad = upload(client, write_jsonl(tmp_path / "bad.jsonl", [{"nope": 1}])).json()
+    response = create(client, model="tiny-bert", training_file=bad["id"])
+    assert response.status_code == 400
+    assert (
+        response.json()["error"]["param"] == "training_file"
+        and "line 1" in response.json()["error"]["message"]
+    )
+    text_only = upload(client, write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}] * 4)).json()
+    response = create(
+        client, model="tiny-bert", training_file=text_only["id"], task="sequence-classification"
+    )
+    assert response.status_code == 400 and "{label, text}" in response.json()["error"]["message"]
+    response = create(client, model="tiny-bert", training_file=text_only["id"])  # infers causal-lm
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+    one_label = upload(client, write_jsonl(tmp_path / "one.jsonl", [{"text": "a", "label": "x"}] * 3)).json()
+    response = create(client, model="tiny-bert", training_file=one_label["id"])
+    assert response.status_code == 400 and "two distinct labels" in response.json()["error"]["message"]
+    other = upload(client, write_jsonl(tmp_path / "v.jsonl", [{"text": "a", "label": "maybe"}])).json()
+    response = create(client, model="tiny-bert", training_file=train_file["id"], validation_file=other["id"])
+    assert response.status_code == 400 and "maybe" in response.json()["error"]["message"]
+    response = create(
+        client,
+        model="tiny-bert",
+        training_file=train_file["id"],
+        distributed={"nodes": 2, "procs_per_node": 1},
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "distributed"
+    assert _jobs(client) == []
+
+
+def test_max_steps_limit(settings: Settings, train_file: dict[str, Any]) -> None:
+    from api.main import create_app
+
+    with TestClient(create_app(settings.model_copy(update={"max_steps": 10}))) as client:
+        response = create(
+            client, model="tiny-bert", training_file=train_file["id"], hyperparameters={"max_steps": 11}
+        )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "hyperparameters.max_steps"
+
+
+def test_cursor_pages(client: TestClient, train_file: dict[str, Any]) -> None:
+    ids = [create(client, model="tiny-bert", training_file=train_file["id"]).json()["id"] for _ in range(5)]
+    seen, after = [], None
+    while True:
+        page = client.get(
+            "/v1/fine_tuning/jobs", params={"limit": 2, **({"after": after} if after else {})}
+        ).json()
+        seen += [j["id"] for j in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["data"][-1]["id"]
+    assert seen == list(reversed(ids))
+    assert client.get("/v1/fine_tuning/jobs", params={"limit": 0}).status_code == 422
+
+
+def test_cancel_queued_then_conflict(client: TestClient, train_file: dict[str, Any]) -> None:
+    job = create(client, model="tiny-bert", training_file=train_file["id"]).json()
+    cancelled = client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel").json()
+    assert cancelled["status"] == "cancelled" and cancelled["finished_at"] is not None
+    again = client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel")
+    assert again.status_code == 409 and again.json()["error"]["code"] == "job_not_cancellable"
+    assert client.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["status"] == "cancelled"
+    assert client.post("/v1/fine_tuning/jobs/ftjob-nope/cancel").status_code == 404
+
+
+def test_events_page_newest_first(client: TestClient, settings: Settings, train_file: dict[str, Any]) -> None:
+    job = create(client, model="tiny-bert", training_file=train_file["id"]).json()
+    with session_scope(settings.database_url) as session:
+        events = EventRepository(session)
+        for i in range(5):
+            events.add(job["id"], f"message {i}")
+        events.add(job["id"], "Step 3", type="metrics", data={"step": 3, "train_loss": 0.5})
+    page = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", params={"limit": 3}).json()
+    assert [e["message"] for e in page["data"]] == ["Step 3", "message 4", "message 3"]
+    assert page["data"][0]["type"] == "metrics" and page["data"][0]["data"]["train_loss"] == 0.5
+    assert page["has_more"]
+    rest = client.get(
+        f"/v1/fine_tuning/jobs/{job['id']}/events", params={"after": page["data"][-1]["id"]}
+    ).json()
+    assert [e["message"] for e in rest["data"]][:3] == ["message 2", "message 1", "message 0"]
+    bad = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", params={"after": "yesterday"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
+
+
+def test_metrics_are_downsampled_on_the_server(
+    client: TestClient, settings: Settings, train_file: dict[str, Any]
+) -> None:
+    job = create(client, model="tiny-bert", training_file=train_file["id"]).json()
+    with session_scope(settings.database_url) as session:
+        MetricRepository(session).add_many(job["id"], [("train_loss", s, 1.0 / (s + 1)) for s in range(3000)])
+        MetricRepository(session).add_many(job["id"], [("train_loss", 0, 7.0)])  # a re-run step replaces
+    full = client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics", params={"max_points": 5000}).json()
+    assert full["downsampled"] is False and len(full["data"]["train_loss"]["steps"]) == 3000
+    assert full["data"]["train_loss"]["values"][0] == 7.0
+    small = client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics", params={"max_points": 100}).json()
+    series = small["data"]["train_loss"]
+    assert small["downsampled"] is True and len(series["steps"]) <= 100
+    assert (
+        series["steps"][0] == 0 and series["steps"][-1] == 2999 and series["steps"] == sorted(series["steps"])
+    )
+
+
+def test_artifact_download_with_range(
+    client: TestClient, settings: Settings, train_file: dict[str, Any]
+) -> None:
+    job = create(client, model="tiny-bert", training_file=train_file["id"]).json()
+    missing = client.get(f"/v1/fine_tuning/jobs/{job['id']}/artifacts/onnx")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "artifact_not_found"
+    assert client.get(f"/v1/fine_tuning/jobs/{job['id']}/artifacts/safetensors").status_code == 422
+    payload = bytes(range(256)) * 8192  # 2 MiB, several chunks
+    key = f"jobs/{job['id']}/artifacts/onnx.tar"
+    store = open_store(
+        settings.storage_url, access_key=settings.s3_access_key, secret_key=settings.s3_secret_key
+    )
+    store.put_fileobj(key, io.BytesIO(payload))
+    digest = hashlib.sha256(payload).hexdigest()
+    with session_scope(settings.database_url) as session:
+        ArtifactRepository(session).put(
+            Artifact(
+                job_id=job["id"],
+                format="onnx",
+                object_key=key,
+                bytes=len(payload),
+                sha256=digest,
+                manifest={"format": "onnx"},
+            )
+        )
+    url = f"/v1/fine_tuning/jobs/{job['id']}/artifacts/onnx"
+    whole = client.get(url)
+    assert whole.status_code == 200 and whole.content == payload
+    assert whole.headers["x-ortune-sha256"] == digest and whole.headers["accept-ranges"] == "bytes"
+    part = client.get(url, headers={"Range": "bytes=1000-1999999"})
+    assert part.status_code == 206 and part.content == payload[1000:2000000]
+    assert part.headers["content-range"] == f"bytes 1000-1999999/{len(payload)}"
+    tail = client.get(url, headers={"Range": "bytes=-10"})
+    assert tail.status_code == 206 and tail.content == payload[-10:]
+    beyond = client.get(url, headers={"Range": f"bytes={len(payload)}-"})
+    assert beyond.status_code == 416 and beyond.headers["content-range"] == f"bytes */{len(payload)}"
+    assert client.get(url, headers={"Range": "bytes=5-1,7-9"}).status_code == 416
+    listed = client.get(f"/v1/fine_tuning/jobs/{job['id']}/artifacts").json()
+    assert listed[0]["sha256"] == digest and listed[0]["url"] == url
+
+
+def test_models_list_base_and_fine_tuned(
+    client: TestClient, settings: Settings, train_file: dict[str, Any]
+) -> None:
+    ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
+    assert {"tiny-bert", "tiny-gpt2", "sentence-transformers/all-MiniLM-L6-v2"} <= set(ids)
+    job = create(client, model="tiny-bert", training_file=train_file["id"]).json()
+    with session_scope(settings.database_url) as session:
+        JobRepository(session).update(
+            job["id"], status="succeeded", fine_tuned_model=f"ft:tiny-bert:x:{job['id']}"
+        )
+    assert client.get(f"/v1/models/ft:tiny-bert:x:{job['id']}").json()["owned_by"] == "ortune:fine-tuned"
+    assert client.get("/v1/models/sentence-transformers/all-MiniLM-L6-v2").status_code == 200
+    assert client.get("/v1/models/nope").status_code == 404
+
+
+def test_health_and_readiness(client: TestClient) -> None:
+    assert client.get("/healthz").json()["status"] == "ok"
+    ready = client.get("/readyz")
+    assert ready.status_code == 200, ready.text
+    assert ready.json()["checks"] == {"database": "ok", "broker": "ok", "storage": "ok"}
+
+
+def test_readiness_reports_a_dead_broker(settings: Settings) -> None:
+    from api.main import create_app
+
+    broken = settings.model_copy(update={"broker_url": "redis://127.0.0.1:1/0"})
+    with TestClient(create_app(broken)) as client:
+        ready = client.get("/readyz")
+    assert ready.status_code == 503 and ready.headers["retry-after"] == "5"
+    assert ready.json()["checks"]["broker"].startswith("error")
+    assert ready.json()["checks"]["database"] == "ok"
+
+
+def test_unknown_route_is_openai_shaped(client: TestClient) -> None:
+    response = client.get("/v1/nothing")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+
+
+class Chunks:
+    """A storage stream that records how far it was read and whether it was closed."""
+
+    def __init__(self, n: int, fail_at: int | None = None) -> None:
+        self.n, self.fail_at, self.read = n, fail_at, 0
+        self.closed = threading.Event()
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            for i in range(self.n):
+                if i == self.fail_at:
+                    raise OSError("the storage connection dropped")
+                self.read += 1
+                yield bytes([i]) * 4
+        finally:
+            self.closed.set()
+
+
+def test_readahead_streams_in_order_and_stays_bounded() -> None:
+    chunks = Chunks(50)
+
+    async def main() -> list[bytes]:
+        got = []
+        async for chunk in readahead(iter(chunks), depth=2):
+            assert chunks.read <= len(got) + 4  # queued (2), in the reader's hand (1), just yielded (1)
+            got.append(chunk)
+        return got
+
+    assert anyio.run(main) == [bytes([i]) * 4 for i in range(50)]
+    assert chunks.closed.wait(5)
+
+
+def test_readahead_stops_reading_when_the_client_goes_away() -> None:
+    chunks = Chunks(10_000)
+
+    async def main() -> None:
+        stream = readahead(iter(chunks), depth=2)
+        assert await stream.__anext__() == bytes([0]) * 4
+        await stream.aclose()  # what Starlette does when the client disconnects
+
+    anyio.run(main)
+    assert chunks.closed.wait(5)  # the storage stream is closed, not read to its end
+    assert chunks.read < 10
+
+
+def test_readahead_raises_what_storage_raised() -> None:
+    chunks = Chunks(10, fail_at=3)
+
+    async def main() -> int:
+        got = 0
+        async for _ in readahead(iter(chunks)):
+            got += 1
+        return got
+
+    with pytest.raises(OSError, match="storage connection dropped"):
+        anyio.run(main)
+    assert chunks.closed.wait(5)
+
+
+def test_an_app_stopped_and_started_again_still_reads(settings: Settings) -> None:
+    """Stopping the app closes the hot reads' connections (ortune.db.reads); a later start opens new ones,
+    as a test client or schemathesis starts one app many times."""
+    from api.main import create_app
+
+    app = create_app(settings)
+    with TestClient(app) as client:
+        file = upload(client, DEMO / "sentiment_train.jsonl")
+        job = create(client, model="tiny-bert", training_file=file.json()["id"]).json()
+        assert client.get(f"/v1/fine_tuning/jobs/{job['id']}").status_code == 200
+    for _ in range(2):
+        with TestClient(app) as client:
+            again = client.get(f"/v1/fine_tuning/jobs/{job['id']}")
+            assert again.status_code == 200, again.text
+            assert again.json()["status"] == job["status"]
+            events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events")
+            assert events.status_code == 200, events.text

@@ -1,0 +1,217 @@
+"""Tenants and API keys, quotas, and Idempotency-Key, on both configurations."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
+from sqlalchemy import update
+
+from api.main import create_app
+from ortune.db.models import Job, JobStatus
+from ortune.db.session import session_scope
+from ortune.settings import Settings
+from tests.support import DEMO
+
+ADMIN = "ortune-admin-test-key"
+# Paths every tenant may call without an id of another tenant's in them, and paths for admins only.
+PUBLIC = {"/healthz", "/readyz", "/dashboard", "/dashboard/jobs/{job_id}"}
+ADMIN_ONLY = {
+    "/metrics",
+    "/v1/admin/tenants",
+    "/v1/admin/tenants/{tenant_id}/api_keys",
+    "/v1/admin/api_keys/{key_id}",
+    "/v1/nodes",
+}
+LISTS = {"/v1/files", "/v1/fine_tuning/jobs", "/v1/models"}
+
+
+@pytest.fixture
+def secured(settings: Settings) -> Iterator[TestClient]:
+    s = settings.model_copy(update={"require_api_key": True, "admin_api_key": SecretStr(ADMIN)})
+    with TestClient(create_app(s)) as client:
+        yield client
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def tenant_key(client: TestClient, name: str, **fields: Any) -> str:
+    tenant = client.post("/v1/admin/tenants", json={"name": name, **fields}, headers=bearer(ADMIN))
+    assert tenant.status_code == 200, tenant.text
+    key = client.post(
+        f"/v1/admin/tenants/{tenant.json()['id']}/api_keys", json={"name": "test"}, headers=bearer(ADMIN)
+    )
+    assert key.status_code == 200, key.text
+    assert key.json()["key"].startswith("ortune-sk-")
+    return str(key.json()["key"])
+
+
+def upload(client: TestClient, key: str, **headers: str) -> Any:
+    with (DEMO / "sentiment_train.jsonl").open("rb") as fh:
+        return client.post(
+            "/v1/files",
+            files={"file": ("train.jsonl", fh)},
+            data={"purpose": "fine-tune"},
+            headers=bearer(key) | headers,
+        )
+
+
+def create_job(client: TestClient, key: str, file_id: str, **headers: str) -> Any:
+    return client.post(
+        "/v1/fine_tuning/jobs",
+        json={"model": "tiny-bert", "training_file": file_id},
+        headers=bearer(key) | headers,
+    )
+
+
+def test_every_path_is_scoped_to_its_tenant(secured: TestClient, settings: Settings) -> None:
+    alice, bob = tenant_key(secured, "alice"), tenant_key(secured, "bob")
+    file = upload(secured, alice).json()
+    job = create_job(secured, alice, file["id"]).json()
+    model = f"ft:tiny-bert:ortune:{job['id']}"
+    with session_scope(settings.database_url) as session:  # as if it had trained
+        session.execute(
+            update(Job).where(Job.id == job["id"]).values(status=JobStatus.succeeded, fine_tuned_model=model)
+        )
+    ids = {"job_id": job["id"], "file_id": file["id"], "model_id": model, "fmt": "pytorch"}
+
+    paths = secured.app.openapi()["paths"]  # type: ignore[attr-defined]
+    checked = 0
+    for path, operations in paths.items():
+        if path in PUBLIC | ADMIN_ONLY | LISTS:
+            continue
+        params = set(re.findall(r"{(\w+)(?::path)?}", path))
+        assert params and params <= set(ids), (
+            f"{path}: classify it in this test (scoped, list, public, admin)"
+        )
+        url = re.sub(r"{(\w+)(?::path)?}", lambda m: ids[m.group(1)], path)
+        for method in operations:
+            for_bob = secured.request(method.upper(), url, headers=bearer(bob))
+            assert for_bob.status_code == 404, (method, path, for_bob.text)  # never 403: it does not exist
+            checked += 1
+    assert checked >= 14
+
+    for path in LISTS:
+        listed = secured.get(path, headers=bearer(bob)).json()["data"]
+        assert not {job["id"], file["id"], model} & {item["id"] for item in listed}, path
+        mine = {item["id"] for item in secured.get(path, headers=bearer(alice)).json()["data"]}
+        assert {job["id"], file["id"], model} & mine, path
+    # bob's attempts changed nothing of alice's
+    assert secured.get(f"/v1/files/{file['id']}", headers=bearer(alice)).status_code == 200
+    assert (
+        secured.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=bearer(alice)).json()["status"]
+        == "succeeded"
+    )
+    # nor can bob train on alice's file
+    stolen = create_job(secured, bob, file["id"])
+    assert stolen.status_code == 404 and stolen.json()["error"]["param"] == "training_file"
+
+
+def test_keys_are_checked_and_admin_paths_need_an_admin(secured: TestClient) -> None:
+    none = secured.get("/v1/fine_tuning/jobs")
+    assert none.status_code == 401 and none.headers["www-authenticate"] == "Bearer"
+    assert "API key is required" in none.json()["error"]["message"]
+    wrong = secured.get("/v1/files", headers=bearer("ortune-sk-made-up"))
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    garbled = secured.get("/v1/files", headers={"Authorization": "Basic abc"})
+    assert garbled.status_code == 401 and garbled.json()["error"]["param"] == "Authorization"
+    assert secured.get("/healthz").status_code == 200
+
+    key = tenant_key(secured, "carol")
+    for method, path in (("GET", "/metrics"), ("GET", "/v1/admin/tenants"), ("POST", "/v1/admin/tenants")):
+        response = secured.request(method, path, headers=bearer(key), json={"name": "x"})
+        assert response.status_code == 403 and response.json()["error"]["code"] == "admin_key_required"
+    assert secured.get("/metrics", headers=bearer(ADMIN)).status_code == 200
+
+    dup = secured.post("/v1/admin/tenants", json={"name": "carol"}, headers=bearer(ADMIN))
+    assert dup.status_code == 409 and dup.json()["error"]["param"] == "name"
+    bad = secured.post("/v1/admin/tenants", json={"name": "../etc"}, headers=bearer(ADMIN))
+    assert bad.status_code == 422 and bad.json()["error"]["param"] == "name"
+
+    tenants = secured.get("/v1/admin/tenants", headers=bearer(ADMIN)).json()["data"]
+    carol = next(t for t in tenants if t["name"] == "carol")
+    keys = secured.get(f"/v1/admin/tenants/{carol['id']}/api_keys", headers=bearer(ADMIN)).json()["data"]
+    assert len(keys) == 1 and "key" not in keys[0] and key.startswith(keys[0]["prefix"])
+    assert secured.get("/v1/files", headers=bearer(key)).status_code == 200
+    revoked = secured.delete(f"/v1/admin/api_keys/{keys[0]['id']}", headers=bearer(ADMIN))
+    assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None
+    assert secured.get("/v1/files", headers=bearer(key)).status_code == 401  # at once, in this process
+
+
+def test_open_deployment_takes_callers_without_keys(client: TestClient) -> None:
+    # development default: no key needed, a placeholder key (the openai SDK always sends one) is ignored
+    assert client.get("/v1/files").status_code == 200
+    assert client.get("/v1/files", headers=bearer("unused")).status_code == 200
+    made_up = client.get("/v1/files", headers=bearer("ortune-sk-made-up"))
+    assert made_up.status_code == 401  # but an ortune key is always checked
+
+
+def test_quota_of_unfinished_jobs_per_tenant(secured: TestClient) -> None:
+    key = tenant_key(secured, "dave", max_concurrent_jobs=2)
+    file = upload(secured, key).json()
+    first, second = (create_job(secured, key, file["id"]).json() for _ in range(2))
+    refused = create_job(secured, key, file["id"])
+    assert refused.status_code == 429
+    error = refused.json()["error"]
+    assert error["code"] == "quota_exceeded" and "2 unfinished jobs and may hold 2" in error["message"]
+    secured.post(f"/v1/fine_tuning/jobs/{first['id']}/cancel", headers=bearer(key))
+    assert create_job(secured, key, file["id"]).status_code == 200
+    assert second["status"] == "queued"
+
+
+def test_idempotency_key_replays_the_first_result(client: TestClient) -> None:
+    key = {"Idempotency-Key": "upload-1"}
+    with (DEMO / "sentiment_train.jsonl").open("rb") as fh:
+        body = fh.read()
+
+    def send(content: bytes, idem: dict[str, str]) -> Any:
+        return client.post(
+            "/v1/files", files={"file": ("train.jsonl", content)}, data={"purpose": "fine-tune"}, headers=idem
+        )
+
+    first, again = send(body, key), send(body, key)
+    assert first.status_code == again.status_code == 200
+    assert first.json()["id"] == again.json()["id"] and again.headers["idempotent-replayed"] == "true"
+    assert "idempotent-replayed" not in first.headers
+    other = send(body + b'{"text": "one more", "label": "positive"}\n', key)
+    assert other.status_code == 400 and other.json()["error"]["code"] == "idempotency_key_reused"
+    assert len(client.get("/v1/files").json()["data"]) == 1
+
+    file_id = first.json()["id"]
+    job_key = {"Idempotency-Key": "job-1"}
+    jobs = [create_job(client, "unused", file_id, **job_key) for _ in range(2)]
+    assert jobs[0].json()["id"] == jobs[1].json()["id"]
+    changed = client.post(
+        "/v1/fine_tuning/jobs",
+        json={"model": "tiny-bert", "training_file": file_id, "seed": 3},
+        headers=job_key,
+    )
+    assert changed.status_code == 400 and changed.json()["error"]["param"] == "Idempotency-Key"
+    # a key used for a file is not one for a job
+    crossed = create_job(client, "unused", file_id, **key)
+    assert crossed.status_code == 400 and "POST /v1/files" in crossed.json()["error"]["message"]
+    too_long = create_job(client, "unused", file_id, **{"Idempotency-Key": "k" * 300})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "invalid_idempotency_key"
+    assert len(client.get("/v1/fine_tuning/jobs").json()["data"]) == 1
+
+
+def test_concurrent_retries_with_one_key_make_one_job(client: TestClient) -> None:
+    with (DEMO / "sentiment_train.jsonl").open("rb") as fh:
+        file_id = client.post(
+            "/v1/files", files={"file": ("t.jsonl", fh)}, data={"purpose": "fine-tune"}
+        ).json()["id"]
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(
+            pool.map(lambda _: create_job(client, "unused", file_id, **{"Idempotency-Key": "race"}), range(6))
+        )
+    ok = [a for a in answers if a.status_code == 200]
+    assert ok and all(a.status_code in (200, 409) for a in answers), [a.text for a in answers]
+    assert len({a.json()["id"] for a in ok}) == 1
+    assert len(client.get("/v1/fine_tuning/jobs").json()["data"]) == 1

@@ -1,0 +1,170 @@
+"""The dashboard in a real browser: Debian's chromium driven by Playwright, against the real service."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ortune.cli import embedded
+from ortune.cli.client import Client
+from ortune.db.migrate import upgrade
+from tests.support import DEMO, embedded_settings, wait_for
+
+pytestmark = pytest.mark.e2e
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture
+def browser_page(tmp_path: Path) -> Iterator[object]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path / "profile"),
+            executable_path=CHROMIUM,
+            args=FLAGS,
+            accept_downloads=True,
+            viewport={"width": 1200, "height": 1400},
+        )
+        try:
+            yield context.pages[0] if context.pages else context.new_page()
+        finally:
+            context.close()
+
+
+def test_dashboard_lists_the_job_draws_its_curve_and_downloads(tmp_path: Path, browser_page: object) -> None:
+    from playwright.sync_api import Page, expect
+
+    page = browser_page
+    assert isinstance(page, Page)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    settings = embedded_settings(tmp_path)
+    upgrade(settings.database_url)
+    with embedded.start(settings, log_dir=tmp_path / "logs"):
+        client = Client(settings.api_url)
+        train = client.upload(DEMO / "sentiment_train.jsonl")
+        valid = client.upload(DEMO / "sentiment_valid.jsonl")
+        job = client.create_job(
+            model="tiny-bert",
+            training_file=train["id"],
+            validation_file=valid["id"],
+            backend="torch",
+            hyperparameters={
+                "max_steps": 30,
+                "batch_size": 8,
+                "learning_rate": 1e-3,
+                "max_seq_length": 32,
+                "eval_every_steps": 10,
+            },
+        )
+
+        page.goto(f"{settings.api_url}/dashboard")
+        row = page.locator(f'tr[data-job="{job["id"]}"]')
+        expect(row).to_be_visible()
+        expect(row.locator(".status")).to_have_text(re.compile("validating files|queued|running|succeeded"))
+
+        row.locator("a").click()
+        expect(page).to_have_url(f"{settings.api_url}/dashboard/jobs/{job['id']}")
+        expect(page.locator("#job-title")).to_have_text(job["id"])
+        # The curve fills while the job runs: points arrive through polling, not a reload.
+        page.wait_for_function("Number(document.querySelector('#chart').dataset.points) > 0", timeout=240_000)
+        done = wait_for(client, job["id"], {"succeeded", "failed", "cancelled"})
+        assert done["status"] == "succeeded", done["error"]
+        onnx = page.locator('a[data-format="onnx"]')
+        expect(onnx).to_be_visible(timeout=15_000)
+        expect(page.locator("#job-facts")).to_contain_text("torch (asked: torch)")
+        expect(page.locator("#events li").first).to_be_visible()
+        points = int(page.locator("#chart").get_attribute("data-points") or 0)
+        assert points >= 30 + 3  # every train step, and the three evaluations
+        assert page.locator("#chart canvas").count() == 1
+        page.screenshot(path=str(tmp_path / "job.png"), full_page=True)
+        assert (tmp_path / "job.png").stat().st_size > 10_000
+
+        with page.expect_download() as download_info:
+            onnx.click()
+        download = download_info.value
+        assert download.suggested_filename == f"{job['id']}-onnx.tar"
+        saved = tmp_path / download.suggested_filename
+        download.save_as(saved)
+        artifact = next(
+            a for a in client.get(f"/v1/fine_tuning/jobs/{job['id']}/artifacts") if a["format"] == "onnx"
+        )
+        assert saved.stat().st_size == artifact["bytes"]
+    assert errors == []
+
+
+def test_dashboard_shows_a_search_with_its_best_trial(tmp_path: Path, browser_page: object) -> None:
+    from playwright.sync_api import Page, expect
+
+    page = browser_page
+    assert isinstance(page, Page)
+    settings = embedded_settings(tmp_path)
+    upgrade(settings.database_url)
+    with embedded.start(settings, log_dir=tmp_path / "logs"):
+        client = Client(settings.api_url)
+        train = client.upload(DEMO / "sentiment_train.jsonl")
+        job = client.create_job(
+            model="tiny-bert",
+            training_file=train["id"],
+            backend="torch",
+            hyperparameters={"max_steps": 3, "batch_size": 8, "max_seq_length": 32},
+            hyperparameter_search={
+                "n_trials": 2,
+                "metric": "train_loss",
+                "space": {"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
+            },
+        )
+        page.goto(f"{settings.api_url}/dashboard/jobs/{job['id']}")
+        done = wait_for(client, job["id"], {"succeeded", "failed", "cancelled"})
+        assert done["status"] == "succeeded", done["error"]
+        best = page.locator("#trials tr.best")
+        expect(best).to_have_count(1, timeout=15_000)
+        expect(best.locator("a")).to_have_text(done["result"]["best_job_id"])
+        expect(page.locator("#trials tbody tr")).to_have_count(2)
+        expect(page.locator("#trials-metric")).to_have_text("train_loss (minimize)")
+        expect(best).to_contain_text("learning_rate=")
+        expect(page.locator('a[data-format="pytorch"]')).to_be_visible()
+        expect(page.locator("#training-section")).to_be_hidden()
+        page.screenshot(path=str(tmp_path / "search.png"), full_page=True)
+
+
+def test_dashboard_asks_for_a_key_where_keys_are_required(tmp_path: Path, browser_page: object) -> None:
+    from playwright.sync_api import Page, expect
+    from pydantic import SecretStr
+
+    from ortune.db.repositories import KeyRepository, TenantRepository
+    from ortune.db.session import session_scope
+
+    page = browser_page
+    assert isinstance(page, Page)
+    settings = embedded_settings(tmp_path, require_api_key=True, admin_api_key=SecretStr("admin-key"))
+    upgrade(settings.database_url)
+    with session_scope(settings.database_url) as session:
+        tenant = TenantRepository(session).create("erin")
+        _, secret = KeyRepository(session).issue(tenant.id, "browser")
+    with embedded.start(settings, worker=False, log_dir=tmp_path / "logs"):
+        client = Client(settings.api_url, api_key=secret)
+        train = client.upload(DEMO / "sentiment_train.jsonl")
+        job = client.create_job(model="tiny-bert", training_file=train["id"])
+        page.goto(f"{settings.api_url}/dashboard")
+        expect(page.locator("#poll")).to_contain_text("update failed")
+        expect(page.locator("#key-form")).to_be_visible()
+        page.fill("#key-input", secret)
+        page.click("#key-form button")
+        expect(page.locator("#jobs")).to_contain_text(job["id"])
+        expect(page.locator("#key-form")).to_be_hidden()

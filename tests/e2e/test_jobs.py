@@ -1,0 +1,201 @@
+"""Whole jobs through real processes: the API under uvicorn, a Celery worker, the trainer subprocess,
+on the embedded default and on Postgres + Redis + SeaweedFS."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ortune.cli import embedded
+from ortune.cli.client import Client
+from ortune.settings import Settings
+from tests.support import TERMINAL, events, rows, wait_for, write_jsonl
+
+pytestmark = pytest.mark.e2e
+
+
+def extract(archive: Path, into: Path, fmt: str) -> Path:
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return into / fmt
+
+
+def test_classification_job_end_to_end(service: Client, tmp_path: Path) -> None:
+    train = service.upload(write_jsonl(tmp_path / "train.jsonl", rows(64)))
+    valid = service.upload(write_jsonl(tmp_path / "valid.jsonl", rows(16, "sentiment_valid.jsonl")))
+    job = service.create_job(
+        model="tiny-bert",
+        training_file=train["id"],
+        validation_file=valid["id"],
+        backend="torch",
+        seed=11,
+        checkpoint_every_steps=3,
+        hyperparameters={"max_steps": 6, "batch_size": 8, "learning_rate": 1e-3, "max_seq_length": 32},
+    )
+    done = wait_for(service, job["id"], TERMINAL)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["backend_used"] == "torch" and done["progress"] == {"step": 6, "total_steps": 6}
+    assert done["fine_tuned_model"] == f"ft:tiny-bert:ortune:{job['id']}"
+    assert done["result"]["onnx_max_abs_diff"] <= 1e-3 and done["trained_tokens"] > 0
+
+    log = events(service, job["id"])
+    metrics = [e for e in log if e["type"] == "metrics"]
+    assert any(e["data"].get("train_loss") is not None for e in metrics)
+    assert any("Backend: torch" in e["message"] for e in log)
+    steps = [c["step_number"] for c in service.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints")["data"]]
+    assert steps == [6, 3]
+    series = service.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics")["data"]
+    assert series["train_loss"]["steps"] == [1, 2, 3, 4, 5, 6]
+    assert series["eval_accuracy"]["steps"][0] == 0  # the evaluation before training
+
+    texts = [r["text"] for r in rows(16, "sentiment_valid.jsonl")]
+    pt_dir = (
+        extract(tmp_path / "pt.tar", tmp_path, "pytorch")
+        if service.download(job["id"], "pytorch", tmp_path / "pt.tar")
+        else None
+    )
+    onnx_dir = (
+        extract(tmp_path / "onnx.tar", tmp_path, "onnx")
+        if service.download(job["id"], "onnx", tmp_path / "onnx.tar")
+        else None
+    )
+    assert (
+        pt_dir
+        and onnx_dir
+        and (pt_dir / "model.safetensors").is_file()
+        and (onnx_dir / "model.onnx").is_file()
+    )
+
+    import onnxruntime as ort
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pt_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(pt_dir).eval()
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    enc = tok(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        pt_logits = model(**enc).logits.numpy()
+    manifest = json.loads((onnx_dir / "ortune_manifest.json").read_text())
+    assert manifest["parity"]["max_abs_diff"] == done["result"]["onnx_max_abs_diff"]
+    session = ort.InferenceSession(str(onnx_dir / "model.onnx"))
+    onnx_enc = AutoTokenizer.from_pretrained(onnx_dir)(texts, padding=True, return_tensors="np")
+    onnx_logits = session.run(["logits"], {n: onnx_enc[n] for n in manifest["inputs"]})[0]
+    assert np.abs(onnx_logits - pt_logits).max() < 1e-3
+    assert (onnx_logits.argmax(-1) == pt_logits.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("settings", ["production"], indirect=True)
+def test_causal_lm_job_end_to_end(service: Client, tmp_path: Path) -> None:
+    rows = [
+        {"prompt": f"Q: what is {a} plus {b}? A:", "completion": f" {a + b}"}
+        for a in range(8)
+        for b in range(4)
+    ]
+    train = service.upload(write_jsonl(tmp_path / "lm.jsonl", rows))
+    job = service.create_job(
+        model="tiny-gpt2",
+        training_file=train["id"],
+        seed=5,
+        hyperparameters={"max_steps": 4, "batch_size": 8, "learning_rate": 1e-3},
+    )
+    done = wait_for(service, job["id"], TERMINAL)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["task"] == "causal-lm"
+    service.download(job["id"], "pytorch", tmp_path / "pt.tar")
+    service.download(job["id"], "onnx", tmp_path / "onnx.tar")
+    pt_dir, onnx_dir = (
+        extract(tmp_path / "pt.tar", tmp_path, "pytorch"),
+        extract(tmp_path / "onnx.tar", tmp_path, "onnx"),
+    )
+
+    import onnxruntime as ort
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pt_dir)
+    model = AutoModelForCausalLM.from_pretrained(pt_dir).eval()
+    ids = tok("Q: what is 3 plus 1? A:", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.eos_token_id)
+    assert out.shape[1] > ids["input_ids"].shape[1]
+    session = ort.InferenceSession(str(onnx_dir / "model.onnx"))
+    enc = tok(["Q: what is 3 plus 1? A:", "Q:"], padding=True, return_tensors="np")
+    logits = session.run(
+        ["logits"], {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    )[0]
+    assert logits.shape == (*enc["input_ids"].shape, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_cancel_a_running_job_stops_training(service: Client, tmp_path: Path) -> None:
+    train = service.upload(write_jsonl(tmp_path / "train.jsonl", rows(64)))
+    job = service.create_job(
+        model="tiny-bert",
+        training_file=train["id"],
+        backend="torch",
+        hyperparameters={"max_steps": 100000, "batch_size": 8, "max_seq_length": 32},
+    )
+    deadline = time.monotonic() + 120
+    while service.job(job["id"])["progress"]["step"] < 3:
+        assert time.monotonic() < deadline, "training never started"
+        time.sleep(0.3)
+    cancelled_at = time.monotonic()
+    assert service.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel")["status"] == "cancelled"
+    while not any("stopped after the job was cancelled" in e["message"] for e in events(service, job["id"])):
+        assert time.monotonic() - cancelled_at < 10, "training did not stop within 10 s of cancel"
+        time.sleep(0.2)
+    step = service.job(job["id"])["progress"]["step"]
+    time.sleep(1.5)
+    final = service.job(job["id"])
+    assert final["status"] == "cancelled" and final["progress"]["step"] == step
+
+
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_backend_ort_job_reports_ort(service: Client, tmp_path: Path) -> None:
+    train = service.upload(write_jsonl(tmp_path / "train.jsonl", rows(32)))
+    job = service.create_job(
+        model="tiny-bert",
+        training_file=train["id"],
+        backend="ort",
+        hyperparameters={"max_steps": 3, "batch_size": 8},
+    )
+    done = wait_for(service, job["id"], TERMINAL)
+    assert done["status"] == "succeeded", done["error"]
+    assert (done["backend"], done["backend_used"], done["backend_reason"]) == ("ort", "ort", None)
+    assert done["result"]["metrics"]["ort_training_graph_nodes"] > 50
+    assert any("ONNX Runtime trained this job" in e["message"] for e in events(service, job["id"]))
+
+
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_broken_ort_install_fails_backend_ort_with_the_reason(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.trainer_core.test_ort import BROKEN_ORT
+
+    shadow = tmp_path / "broken"
+    shadow.mkdir()
+    (shadow / "sitecustomize.py").write_text(BROKEN_ORT)
+    monkeypatch.setenv("PYTHONPATH", str(shadow))  # the worker and its trainer start with a broken ORT
+    with embedded.start(settings, log_dir=tmp_path / "logs"):
+        client = Client(settings.api_url)
+        train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(32)))
+        job = client.create_job(
+            model="tiny-bert", training_file=train["id"], backend="ort", hyperparameters={"max_steps": 2}
+        )
+        done = wait_for(client, job["id"], TERMINAL)
+        assert done["status"] == "failed"
+        assert done["error"]["code"] == "BackendUnavailable"
+        assert "simulated broken onnxruntime-training build" in done["error"]["message"]
+        auto = client.create_job(
+            model="tiny-bert", training_file=train["id"], backend="auto", hyperparameters={"max_steps": 2}
+        )
+        done = wait_for(client, auto["id"], TERMINAL)
+        assert done["status"] == "succeeded", done["error"]
+        assert done["backend_used"] == "torch" and "fell back to PyTorch" in done["backend_reason"]
+        assert any(
+            e["level"] == "warn" and "simulated broken" in e["message"] for e in events(client, auto["id"])
+        )

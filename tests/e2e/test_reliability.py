@@ -1,0 +1,301 @@
+"""Not losing work: a worker SIGKILLed mid-training, Redis restarted under queued and running jobs, and the
+pause/resume/cancel round trips, all through real processes (uvicorn, Celery workers, trainers)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from fastapi.testclient import TestClient
+
+from api.main import create_app
+from ortune.cli import embedded
+from ortune.cli.client import Client
+from ortune.db.migrate import upgrade
+from ortune.settings import Settings
+from tests import services
+from tests.support import (
+    DEMO,
+    TERMINAL,
+    checkpoints,
+    events,
+    submit,
+    upload,
+    wait_for,
+    wait_until,
+    worker_process,
+)
+
+pytestmark = pytest.mark.e2e
+FAST_SWEEP = {
+    "heartbeat_seconds": 0.5,
+    "heartbeat_timeout_seconds": 4.0,
+    "sweep_seconds": 0.5,
+    "requeue_after_seconds": 3.0,
+}
+
+
+def trainers_of(job_id: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "trainer_core.launch" in cmdline and job_id in cmdline:
+            found.append(proc)
+    return found
+
+
+def assert_steps_contiguous(client: Client, job_id: str, total: int) -> None:
+    series = client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics", max_points=20000)["data"]["train_loss"]
+    assert series["steps"] == list(range(1, total + 1))  # redone steps replaced, none missing
+
+
+def test_killed_worker_resumes_from_its_last_checkpoint(settings: Settings, tmp_path: Path) -> None:
+    s = settings.model_copy(update=FAST_SWEEP)
+    every, total = 20, 240
+    with embedded.start(s, log_dir=tmp_path / "logs") as running:
+        client = Client(s.api_url)
+        job = submit(client, tmp_path, total, every)
+        wait_until("two checkpoints", lambda: len(checkpoints(client, job["id"])) >= 2)
+        first_worker = running.procs[0]
+        trainer = wait_until("the trainer process", lambda: trainers_of(job["id"]))
+        first_worker.kill()  # SIGKILL: no shutdown code runs
+        first_worker.wait()
+        # its trainer dies with it (PR_SET_PDEATHSIG) instead of training on as an orphan
+        psutil.wait_procs(trainer, timeout=10)
+        assert not trainers_of(job["id"]) or all(
+            p.status() == psutil.STATUS_ZOMBIE for p in trainers_of(job["id"])
+        )
+        with worker_process(s, "second", tmp_path / "logs" / "worker2.log"):
+            done = wait_for(client, job["id"], TERMINAL, timeout=300)
+
+        assert done["status"] == "succeeded", done["error"]
+        assert done["attempt"] == 2 and done["progress"]["step"] == total
+        log = events(client, job["id"])
+        lost = next(e for e in log if "lost" in e["message"] and e["level"] == "warn")
+        assert lost["data"]["attempt"] == 1 and lost["data"]["lost_attempts"] == 1
+        resumed = next(e for e in log if e["message"].startswith("Resuming from the checkpoint"))
+        start = resumed["data"]["resumed_from_step"]
+        assert start >= every and start % every == 0 and start == lost["data"]["checkpoint_step"]
+        before = log[: log.index(lost)]
+        last_step_of_first = max(e["data"]["step"] for e in before if e["type"] == "metrics")
+        redone = last_step_of_first - start
+        assert 0 <= redone <= every, f"redid {redone} steps (checkpoints every {every})"
+        # the second attempt did only what was left, from the checkpoint on
+        second_steps = [e["data"]["step"] for e in log[log.index(resumed) :] if e["type"] == "metrics"]
+        assert min(second_steps) == start + 1
+        assert_steps_contiguous(client, job["id"], total)
+
+
+def test_too_many_lost_attempts_fail_the_job(settings: Settings, tmp_path: Path) -> None:
+    s = settings.model_copy(update=FAST_SWEEP | {"max_attempts": 1})
+    with embedded.start(s, log_dir=tmp_path / "logs") as running:
+        client = Client(s.api_url)
+        job = submit(client, tmp_path, 400, 50)
+        wait_until("training", lambda: client.job(job["id"])["progress"]["step"] > 3)
+        running.procs[0].kill()
+        running.procs[0].wait()
+        with worker_process(s, "sweeper", tmp_path / "logs" / "worker2.log"):
+            done = wait_for(client, job["id"], TERMINAL, timeout=120)
+    assert done["status"] == "failed" and done["error"]["code"] == "attempts_exhausted"
+    assert "the limit is 1" in done["error"]["message"]
+
+
+@pytest.mark.parametrize("settings", ["production"], indirect=True)
+def test_redis_restart_loses_no_job(settings: Settings, tmp_path: Path) -> None:
+    redis = services.RedisServer(tmp_path)
+    redis.start()
+    try:
+        s = settings.model_copy(update=FAST_SWEEP | {"broker_url": redis.url})
+        with embedded.start(s, log_dir=tmp_path / "logs"):
+            client = Client(s.api_url)
+            running = submit(client, tmp_path, 200, 50)
+            wait_until("the first job training", lambda: client.job(running["id"])["progress"]["step"] > 5)
+            queued = submit(client, tmp_path, 10, 5)  # one solo worker: it waits behind the first
+            assert client.job(queued["id"])["status"] == "queued"
+            redis.restart()  # the queued job's message is gone with it
+            first = wait_for(client, running["id"], TERMINAL, timeout=300)
+            second = wait_for(client, queued["id"], TERMINAL, timeout=300)
+    finally:
+        redis.stop()
+    assert first["status"] == "succeeded", first["error"]
+    assert second["status"] == "succeeded", second["error"]
+    assert first["attempt"] == 1 and second["attempt"] == 1
+
+
+def test_pause_resume_and_cancel_while_running(settings: Settings, tmp_path: Path) -> None:
+    total = 300
+    with embedded.start(settings, log_dir=tmp_path / "logs"):
+        client = Client(settings.api_url)
+        job = submit(client, tmp_path, total, 100)
+        wait_until("training", lambda: client.job(job["id"])["progress"]["step"] >= 20)
+        paused = client.post(f"/v1/fine_tuning/jobs/{job['id']}/pause")
+        assert paused["status"] == "paused"
+        settled = wait_until(
+            "the pause to settle",
+            lambda: next((e for e in events(client, job["id"]) if e["message"].startswith("Paused;")), None),
+        )
+        at = settled["data"]["checkpoint_step"]
+        assert at is not None and at in checkpoints(client, job["id"])  # the SIGTERM checkpoint, stored
+        assert not trainers_of(job["id"])
+        assert client.job(job["id"])["status"] == "paused"
+
+        resumed = client.post(f"/v1/fine_tuning/jobs/{job['id']}/resume")
+        assert resumed["status"] in ("queued", "running")
+        done = wait_for(client, job["id"], TERMINAL)
+        assert done["status"] == "succeeded", done["error"]
+        assert done["attempt"] == 2
+        log = events(client, job["id"])
+        again = next(e for e in log if e["message"].startswith("Resuming from the checkpoint"))
+        assert again["data"]["resumed_from_step"] == at
+        assert_steps_contiguous(client, job["id"], total)
+
+        doomed = submit(client, tmp_path, 2000, 1000)
+        wait_until("training", lambda: client.job(doomed["id"])["progress"]["step"] >= 5)
+        assert client.post(f"/v1/fine_tuning/jobs/{doomed['id']}/cancel")["status"] == "cancelled"
+        wait_until(
+            "the trainer to stop",
+            lambda: any(e["message"].startswith("Training stopped") for e in events(client, doomed["id"])),
+        )
+        assert not trainers_of(doomed["id"])
+        stopped_at = client.job(doomed["id"])["progress"]["step"]
+        assert stopped_at < 2000
+        # the worker is free again: a new job runs
+        after = submit(client, tmp_path, 4, 2)
+        assert wait_for(client, after["id"], TERMINAL)["status"] == "succeeded"
+
+
+def test_pause_resume_cancel_round_trips_while_queued(settings: Settings) -> None:
+    with TestClient(create_app(settings)) as client:  # no worker: jobs stay where the API puts them
+        file = upload(client, DEMO / "sentiment_train.jsonl").json()
+
+        def create() -> str:
+            response = client.post(
+                "/v1/fine_tuning/jobs", json={"model": "tiny-bert", "training_file": file["id"]}
+            )
+            assert response.status_code == 200, response.text
+            return str(response.json()["id"])
+
+        def act(job_id: str, action: str) -> Any:
+            return client.post(f"/v1/fine_tuning/jobs/{job_id}/{action}")
+
+        job = create()
+        assert act(job, "pause").json()["status"] == "paused"
+        conflict = act(job, "pause")
+        assert conflict.status_code == 409 and conflict.json()["error"]["code"] == "job_not_pausable"
+        assert act(job, "resume").json()["status"] == "queued"
+        resumed_twice = act(job, "resume")
+        assert (
+            resumed_twice.status_code == 409 and resumed_twice.json()["error"]["code"] == "job_not_resumable"
+        )
+        assert act(job, "pause").json()["status"] == "paused"
+        assert act(job, "cancel").json()["status"] == "cancelled"  # cancel while paused
+        for action in ("pause", "resume", "cancel"):
+            response = act(job, action)
+            assert response.status_code == 409, (action, response.text)
+            assert "cancelled" in response.json()["error"]["message"]
+
+        other = create()
+        assert act(other, "cancel").json()["status"] == "cancelled"  # cancel while queued
+        messages = [e["message"] for e in client.get(f"/v1/fine_tuning/jobs/{job}/events").json()["data"]]
+        assert (
+            "Job paused while queued" in messages and "Job resumed: queued for its next attempt" in messages
+        )
+        missing = act("ftjob-nope", "pause")
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "fine_tuning_job_id"
+
+
+def test_a_redelivered_task_never_runs_a_job_twice(settings: Settings, tmp_path: Path) -> None:
+    from worker import runner
+
+    with embedded.start(settings, log_dir=tmp_path / "logs"):
+        client = Client(settings.api_url)
+        job = submit(client, tmp_path, 4, 2)
+        done = wait_for(client, job["id"], TERMINAL)
+    assert done["status"] == "succeeded"
+    assert runner.run(settings, job["id"]) == "not claimed (status succeeded)"  # a duplicate message
+
+
+def test_a_worker_shutting_down_checkpoints_and_hands_the_job_on(settings: Settings, tmp_path: Path) -> None:
+    total = 300
+    with embedded.start(settings, log_dir=tmp_path / "logs") as running:
+        client = Client(settings.api_url)
+        job = submit(client, tmp_path, total, 1000)  # no periodic checkpoint before the end
+        wait_until("training", lambda: client.job(job["id"])["progress"]["step"] >= 20)
+        worker = running.procs[0]
+        worker.terminate()  # SIGTERM: Celery's warm shutdown
+        assert worker.wait(60) == 0  # it did not wait for the job to finish
+        handed = client.job(job["id"])
+        assert handed["status"] == "queued" and handed["progress"]["step"] < total
+        at = checkpoints(client, job["id"])
+        assert len(at) == 1 and 20 <= at[0] < total
+        assert any(e["message"].startswith("Requeued from the checkpoint") for e in events(client, job["id"]))
+        with worker_process(settings, "successor", tmp_path / "logs" / "worker2.log"):
+            done = wait_for(client, job["id"], TERMINAL)
+        assert done["status"] == "succeeded" and done["attempt"] == 2
+        resumed = next(e for e in events(client, job["id"]) if e["message"].startswith("Resuming from"))
+        assert resumed["data"]["resumed_from_step"] == at[0]
+        assert_steps_contiguous(client, job["id"], total)
+
+
+@contextmanager
+def api_on_its_own_postgres(tmp_path: Path) -> Iterator[tuple[services.PostgresCluster, TestClient]]:
+    """The API on a Postgres cluster of the test's own, which the test may stop and start."""
+    cluster = services.PostgresCluster(tmp_path / "pg")
+    cluster.start()
+    try:
+        url = services.create_database(cluster.url, "ortune")
+        upgrade(url)
+        s = Settings(data_dir=tmp_path / "state", database_url=url, api_port=services.free_port())
+        with TestClient(create_app(s)) as client:
+            yield cluster, client
+    finally:
+        cluster.remove()
+
+
+def test_api_answers_503_while_the_database_is_down_and_recovers(tmp_path: Path) -> None:
+    with api_on_its_own_postgres(tmp_path) as (cluster, client):
+        file = upload(client, DEMO / "sentiment_train.jsonl").json()
+        job = client.post("/v1/fine_tuning/jobs", json={"model": "tiny-bert", "training_file": file["id"]})
+        assert job.status_code == 200
+        job_id = job.json()["id"]
+        assert client.get(f"/v1/fine_tuning/jobs/{job_id}").status_code == 200  # opens the asyncpg pool
+        cluster.stop()
+        for path in (
+            "/v1/fine_tuning/jobs",
+            f"/v1/files/{file['id']}",
+            f"/v1/fine_tuning/jobs/{job_id}",  # the hot reads, on asyncpg itself (ortune.db.reads)
+            f"/v1/fine_tuning/jobs/{job_id}/events",
+        ):
+            down = client.get(path)
+            assert down.status_code == 503, down.text
+            assert down.headers["retry-after"] == "5"
+            assert down.json()["error"]["code"] == "database_unavailable"
+        assert client.get("/healthz").status_code == 200  # the process itself is fine
+        cluster.start()
+        back = wait_until(
+            "the API to recover",
+            lambda: (r := client.get("/v1/fine_tuning/jobs")).status_code == 200 and r,
+            timeout=60,
+        )
+        assert back.json()["data"][0]["id"] == job.json()["id"]  # nothing lost
+
+
+def test_a_read_after_a_database_restart_succeeds_at_once(tmp_path: Path) -> None:
+    """Reads skip the per-checkout ping; the first read on a connection the restart cut is run again on a
+    fresh one instead of failing."""
+    with api_on_its_own_postgres(tmp_path) as (cluster, client):
+        file = upload(client, DEMO / "sentiment_train.jsonl").json()
+        job = client.post("/v1/fine_tuning/jobs", json={"model": "tiny-bert", "training_file": file["id"]})
+        reads = [f"/v1/files/{file['id']}", f"/v1/fine_tuning/jobs/{job.json()['id']}"]  # ORM and asyncpg
+        for path in reads:
+            assert client.get(path).status_code == 200  # a pooled read connection
+        cluster.stop()
+        cluster.start()
+        for path in reads:
+            again = client.get(path)
+            assert again.status_code == 200, again.text
+            assert again.json()["id"] == path.rsplit("/", 1)[1]

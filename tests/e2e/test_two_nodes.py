@@ -1,0 +1,299 @@
+"""Multi-process jobs on real processes: DDP and ZeRO-1 (with and without ORT) across two worker processes
+registered as two nodes, through torchrun with gloo; a failed rank, a lost rank-0 worker, pause and resume."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from pathlib import Path
+
+import psutil
+import pytest
+from sqlalchemy import select
+
+from ortune.cli import embedded
+from ortune.cli.client import Client
+from ortune.db.models import Checkpoint
+from ortune.db.session import session_scope
+from ortune.settings import Settings
+from tests.support import (
+    TERMINAL,
+    events,
+    rows,
+    wait_event,
+    wait_for,
+    worker_process,
+    write_jsonl,
+)
+
+
+def node_worker(settings: Settings, tmp: Path, name: str) -> AbstractContextManager[subprocess.Popen[bytes]]:
+    node = settings.model_copy(update={"node_name": name, "node_devices": 1})
+    return worker_process(node, name, tmp / f"{name}.log")
+
+
+@contextmanager
+def two_nodes(
+    settings: Settings, tmp: Path, node_b: Settings | None = None
+) -> Iterator[tuple[Client, list[subprocess.Popen[bytes]]]]:
+    """The API and two worker processes registered as nodes node-a and node-b, one device each."""
+    with embedded.start(settings, worker=False, log_dir=tmp / "logs"), ExitStack() as stack:
+        workers = [
+            stack.enter_context(node_worker(settings, tmp, "node-a")),
+            stack.enter_context(node_worker(node_b or settings, tmp, "node-b")),
+        ]
+        client = Client(settings.api_url)
+        wait_nodes(client, 2)
+        yield client, workers
+
+
+def wait_nodes(client: Client, n: int) -> None:
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if len([x for x in client.get("/v1/nodes")["data"] if x["alive"]]) >= n:
+            return
+        time.sleep(0.3)
+    raise AssertionError("the worker nodes did not register")
+
+
+def wait_released(client: Client) -> None:
+    """Every node frees its devices when its ranks exit (a follower within a second of the job's end)."""
+    deadline = time.monotonic() + 30
+    while any(n["free_devices"] != n["devices"] for n in client.get("/v1/nodes")["data"]):
+        assert time.monotonic() < deadline, client.get("/v1/nodes")["data"]
+        time.sleep(0.2)
+
+
+def losses(client: Client, job_id: str) -> list[float]:
+    return client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics", name="train_loss")["data"]["train_loss"][
+        "values"
+    ]
+
+
+@pytest.mark.e2e
+def test_ddp_across_two_nodes_matches_one_process(settings: Settings, tmp_path: Path) -> None:
+    s = settings.model_copy(update={"sweep_seconds": 0.5})
+    with two_nodes(s, tmp_path) as (client, _):
+        train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(8)))
+        spec = {
+            "model": "tiny-bert",
+            "training_file": train["id"],
+            "backend": "torch",
+            "seed": 3,
+            "hyperparameters": {
+                "max_steps": 6,
+                "batch_size": 8,
+                "learning_rate": 1e-3,
+                "max_seq_length": 32,
+            },
+        }
+        ddp = client.create_job(**spec, distributed={"nodes": 2, "procs_per_node": 1})
+        done = wait_for(client, ddp["id"], TERMINAL)
+        assert done["status"] == "succeeded", done["error"]
+        said = [e["message"] for e in events(client, ddp["id"])]
+        placed = next(m for m in said if m.startswith("Attempt 1 placed on"))
+        assert "node-a" in placed and "node-b" in placed and "2 x 1 process(es), ddp" in placed
+        wait_released(client)
+
+        single = client.create_job(**spec)  # the same global batch in one process
+        one = wait_for(client, single["id"], TERMINAL)
+        assert one["status"] == "succeeded", one["error"]
+        a, b = losses(client, ddp["id"]), losses(client, single["id"])
+        assert len(a) == len(b) == 6
+        # each step sees all 8 rows in both (4 per rank under DDP, gradients averaged); only dropout
+        # masks differ, so the curves agree closely rather than exactly
+        for x, y in zip(a, b, strict=True):
+            assert abs(x - y) <= 0.05 * max(abs(y), 1e-3), (a, b)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize(("strategy", "backend"), [("zero1", "torch"), ("ddp", "ort"), ("zero1", "ort")])
+def test_zero1_and_ort_inside_across_two_nodes(
+    settings: Settings, tmp_path: Path, strategy: str, backend: str
+) -> None:
+    s = settings.model_copy(update={"sweep_seconds": 0.5})
+    with two_nodes(s, tmp_path) as (client, _):
+        train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(16)))
+        job = client.create_job(
+            model="tiny-bert",
+            training_file=train["id"],
+            backend=backend,
+            seed=4,
+            checkpoint_every_steps=3,
+            hyperparameters={
+                "max_steps": 6,
+                "batch_size": 8,
+                "learning_rate": 1e-3,
+                "max_seq_length": 32,
+            },
+            distributed={"nodes": 2, "strategy": strategy},
+        )
+        done = wait_for(client, job["id"], TERMINAL, timeout=400)
+        assert done["status"] == "succeeded", done["error"]
+        assert done["backend_used"] == backend
+        metrics = done["result"]["metrics"]
+        if backend == "ort":
+            assert metrics["ort_training_graph_nodes"] > 0  # ORT really trained, DDP or DeepSpeed around it
+        # the ranks compared parameters after training: the gradients really were reduced across nodes
+        # (before DDP/DeepSpeed wrapped ORTModule itself, each ORT rank trained alone and this caught it)
+        assert metrics["replicas_max_rel_diff"] == 0.0
+        steps = [
+            c["step_number"] for c in client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints")["data"]
+        ]
+        assert steps == [6, 3]
+        assert len(losses(client, job["id"])) == 6
+
+
+@pytest.mark.e2e
+def test_killing_one_rank_fails_the_attempt_with_its_error(settings: Settings, tmp_path: Path) -> None:
+    s = settings.model_copy(update={"sweep_seconds": 0.5, "distributed_timeout_seconds": 30})
+    with two_nodes(s, tmp_path) as (client, _):
+        train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(64)))
+        job = client.create_job(
+            model="tiny-bert",
+            training_file=train["id"],
+            backend="torch",
+            hyperparameters={"max_steps": 5000, "batch_size": 8, "max_seq_length": 32},
+            distributed={"nodes": 2},
+        )
+        deadline = time.monotonic() + 120
+        while client.job(job["id"])["progress"]["step"] < 3:
+            assert time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.3)
+        victims = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if "trainer_core.launch" in " ".join(p.info["cmdline"] or [])
+            and f"{job['id']}/attempt-1/node-1/" in " ".join(p.info["cmdline"] or [])
+            and "torch.distributed.run" not in " ".join(p.info["cmdline"] or [])
+        ]
+        assert victims, "no rank process found on node rank 1"
+        for p in victims:
+            p.send_signal(signal.SIGKILL)
+        done = wait_for(client, job["id"], TERMINAL, timeout=180)
+        assert done["status"] == "failed"
+        assert done["error"]["code"] == "rank_failed", done["error"]
+        assert "node rank 1 on node-" in done["error"]["message"]
+        wait_released(client)
+        left = [p for p in psutil.process_iter(["cmdline"]) if job["id"] in " ".join(p.info["cmdline"] or [])]
+        assert not left, [p.info["cmdline"] for p in left]  # no orphan on either node
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("settings", ["production"], indirect=True)
+def test_zero1_job_resumes_on_all_nodes_after_its_rank0_worker_dies(
+    settings: Settings, tmp_path: Path
+) -> None:
+    s = settings.model_copy(
+        update={"sweep_seconds": 0.5, "heartbeat_seconds": 0.5, "heartbeat_timeout_seconds": 10.0}
+    )
+    with two_nodes(s, tmp_path) as (client, workers):
+        train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(32)))
+        total, every = 120, 20
+        job = client.create_job(
+            model="tiny-bert",
+            training_file=train["id"],
+            backend="torch",
+            seed=6,
+            checkpoint_every_steps=every,
+            hyperparameters={"max_steps": total, "batch_size": 8, "max_seq_length": 32},
+            distributed={"nodes": 2, "strategy": "zero1"},
+        )
+
+        def complete_checkpoints() -> list[int]:
+            with session_scope(s.database_url) as session:
+                found = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job["id"])).all()
+                return sorted(c.step for c in found if len(c.parts or []) == 1)
+
+        wait_for(client, job["id"], {"running"}, timeout=60)  # the scheduler places it on its next round
+        deadline = time.monotonic() + 300
+        while len(complete_checkpoints()) < 2:
+            assert time.monotonic() < deadline, "no complete checkpoints"
+            now = client.job(job["id"])
+            assert (now["status"], now["attempt"]) == ("running", 1), now  # no lost attempt before the kill
+            time.sleep(0.3)
+        workers[0].kill()  # node-a held rank 0: its torchrun and ranks die with it
+        workers[0].wait()
+        with node_worker(s, tmp_path, "node-a"):  # the node comes back
+            done = wait_for(client, job["id"], TERMINAL, timeout=400)
+            assert done["status"] == "succeeded", done["error"]
+            assert done["attempt"] == 2
+            log = events(client, job["id"])
+            resumed = next(e for e in log if e["message"].startswith("Resuming from the checkpoint"))
+            assert resumed["data"]["resumed_from_step"] in complete_checkpoints()
+            assert resumed["data"]["resumed_from_step"] >= every
+            series = client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics", name="train_loss")["data"]
+            assert series["train_loss"]["steps"] == list(range(1, total + 1))
+            wait_released(client)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_pause_and_resume_a_zero1_job_across_two_nodes(settings: Settings, tmp_path: Path) -> None:
+    s = settings.model_copy(update={"sweep_seconds": 0.5})
+    with two_nodes(s, tmp_path) as (client, _):
+        train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(32)))
+        total = 300
+        job = client.create_job(
+            model="tiny-bert",
+            training_file=train["id"],
+            backend="torch",
+            seed=8,
+            checkpoint_every_steps=1000,  # no scheduled checkpoint: the pause saves the only one
+            hyperparameters={"max_steps": total, "batch_size": 8, "max_seq_length": 32},
+            distributed={"nodes": 2, "strategy": "zero1"},
+        )
+        deadline = time.monotonic() + 300
+        while client.job(job["id"])["progress"]["step"] < 5:
+            assert time.monotonic() < deadline, client.job(job["id"])
+            time.sleep(0.2)
+        paused = client.post(f"/v1/fine_tuning/jobs/{job['id']}/pause")
+        assert paused["status"] == "paused"
+        log = wait_event(client, job["id"], "Paused; the worker is free", timeout=120)
+        stopped = next(e for e in log if e["message"].startswith("Training stopped on request at step"))
+        step = stopped["data"]["step"]
+        assert 5 <= step < total
+        wait_released(client)  # both nodes free while paused: node-b lets go once its part is stored
+        with session_scope(s.database_url) as session:  # rank 0's checkpoint, and node-b's ZeRO shard
+            ckpt = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job["id"])).one()
+        assert ckpt.step == step and len(ckpt.parts or []) == 1, (ckpt.step, ckpt.parts)
+        assert client.job(job["id"])["status"] == "paused"
+
+        resumed = client.post(f"/v1/fine_tuning/jobs/{job['id']}/resume")
+        assert resumed["status"] == "queued"
+        done = wait_for(client, job["id"], TERMINAL, timeout=400)
+        assert done["status"] == "succeeded", done["error"]
+        assert done["attempt"] == 2
+        assert done["result"]["metrics"]["replicas_max_rel_diff"] == 0.0
+        log = events(client, job["id"])
+        again = next(e for e in log if e["message"].startswith("Resuming from the checkpoint"))
+        assert again["data"]["resumed_from_step"] == step
+        series = client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics", name="train_loss")["data"]
+        assert series["train_loss"]["steps"] == list(range(1, total + 1))  # nothing lost, nothing redone
+        wait_released(client)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_a_node_that_cannot_stage_fails_the_attempt_at_once(settings: Settings, tmp_path: Path) -> None:
+    s = settings.model_copy(update={"sweep_seconds": 0.5})
+    broken = s.model_copy(update={"work_dir": Path("/dev/null/work")})  # node-b cannot make its folder
+    with two_nodes(s, tmp_path, node_b=broken) as (client, _):
+        train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(16)))
+        job = client.create_job(
+            model="tiny-bert",
+            training_file=train["id"],
+            backend="torch",
+            hyperparameters={"max_steps": 5, "batch_size": 8, "max_seq_length": 32},
+            distributed={"nodes": 2},
+        )
+        done = wait_for(client, job["id"], TERMINAL, timeout=120)  # not torchrun's rendezvous timeout
+        assert done["status"] == "failed"
+        assert done["error"]["code"] == "rank_failed"
+        assert "node rank 1 on node-b" in done["error"]["message"]
+        assert "staging failed" in done["error"]["message"]
+        wait_released(client)

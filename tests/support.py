@@ -1,0 +1,175 @@
+"""Builders and waits the tests (and bench/) share: rows, files, job specs, jobs submitted through the API,
+an event pager and the wait helpers. Fixtures live in conftest.py; real servers in services.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session
+
+from ortune.cli import embedded
+from ortune.cli.client import Client
+from ortune.db.base import new_id
+from ortune.db.models import File, FileStatus
+from ortune.jobspec import JobSpec
+from ortune.settings import Settings
+from tests import services
+from trainer_core.spec import Distributed, Hyperparameters
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "ortune" / "demo_data"
+TERMINAL = {"succeeded", "failed", "cancelled"}
+T = TypeVar("T")
+
+
+def rows(n: int, name: str = "sentiment_train.jsonl") -> list[dict[str, Any]]:
+    """The first `n` rows of one of the demo's files (text + label, two labels)."""
+    return [json.loads(line) for line in (DEMO / name).read_text().splitlines()[:n]]
+
+
+def write_jsonl(path: Path, items: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in items))
+    return path
+
+
+def embedded_settings(tmp: Path, **overrides: Any) -> Settings:
+    return Settings(
+        data_dir=tmp / "state",
+        api_port=services.free_port(),
+        queue=f"ortune.test.{uuid.uuid4().hex[:8]}",
+        **overrides,
+    )
+
+
+def upload(client: TestClient, path: Path, **fields: str) -> Any:
+    """POST /v1/files through an in-process TestClient; the response."""
+    with path.open("rb") as fh:
+        return client.post(
+            "/v1/files", files={"file": (path.name, fh)}, data={"purpose": "fine-tune", **fields}
+        )
+
+
+def processed_file(session: Session) -> File:
+    """A training file's row, checked and ready, for tests that write jobs straight into the database."""
+    file = File(
+        id=new_id("file"),
+        filename="t.jsonl",
+        purpose="fine-tune",
+        bytes=1,
+        sha256="0" * 64,
+        object_key="files/x",
+        status=FileStatus.processed,
+        row_kind="text_label",
+    )
+    session.add(file)
+    session.flush()
+    return file
+
+
+def job_spec(
+    task: str = "sequence-classification", *, distributed: Distributed | None = None, **fields: Any
+) -> JobSpec:
+    """The spec of a job written straight into the database, as the API would have built it."""
+    hp = Hyperparameters(n_epochs=1, batch_size=8, learning_rate_multiplier=1.0)
+    fields.setdefault("labels", ["negative", "positive"] if task == "sequence-classification" else [])
+    return JobSpec.build(hp, 64, task=task, distributed=distributed or Distributed(), **fields)
+
+
+def submit(
+    client: Client, tmp: Path, steps: int, every: int, n_rows: int = 64, **extra: Any
+) -> dict[str, Any]:
+    """Upload `n_rows` demo rows and start a small tiny-bert job on them: `steps` steps, a checkpoint
+    every `every` steps."""
+    train = client.upload(write_jsonl(tmp / "train.jsonl", rows(n_rows)))
+    return client.create_job(
+        model="tiny-bert",
+        training_file=train["id"],
+        backend="torch",
+        seed=5,
+        checkpoint_every_steps=every,
+        hyperparameters={"max_steps": steps, "batch_size": 8, "learning_rate": 1e-3, "max_seq_length": 32},
+        **extra,
+    )
+
+
+def events(client: Client, job_id: str) -> list[dict[str, Any]]:
+    """All of a job's events, oldest first (the API pages them newest first)."""
+    out: list[dict[str, Any]] = []
+    after = None
+    while True:
+        page = client.get(f"/v1/fine_tuning/jobs/{job_id}/events", limit=100, after=after)
+        out += page["data"]
+        if not page["has_more"]:
+            return list(reversed(out))
+        after = page["data"][-1]["id"]
+
+
+def series(client: Client, job_id: str, name: str = "train_loss") -> dict[str, list[Any]]:
+    """One metric series of a job, every point (`steps` and `values`)."""
+    data = client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics", name=name, max_points=20000)["data"]
+    return data[name]  # type: ignore[no-any-return]
+
+
+def checkpoints(client: Client, job_id: str) -> list[int]:
+    return [c["step_number"] for c in client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints")["data"]]
+
+
+def wait_until(what: str, check: Callable[[], T], timeout: float = 180, every: float = 0.2) -> T:
+    """Poll `check` until it returns something true; that value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def wait_for(client: Client, job_id: str, statuses: set[str], timeout: float = 300) -> dict[str, Any]:
+    """Poll the job until its status is one of `statuses`; the job."""
+    last: dict[str, Any] = {}
+
+    def reached() -> dict[str, Any] | None:
+        last.update(client.job(job_id))
+        return last if last["status"] in statuses else None
+
+    try:
+        return wait_until(f"job {job_id} to reach {statuses}", reached, timeout, every=0.3)
+    except AssertionError:
+        raise AssertionError(f"job {job_id} still {last.get('status')} after {timeout}s: {last}") from None
+
+
+def wait_event(client: Client, job_id: str, prefix: str, timeout: float = 180) -> list[dict[str, Any]]:
+    """Poll until the job has an event starting with `prefix`; all its events."""
+
+    def seen() -> list[dict[str, Any]] | None:
+        log = events(client, job_id)
+        return log if any(e["message"].startswith(prefix) for e in log) else None
+
+    return wait_until(f"an event {prefix!r} of {job_id}", seen, timeout, every=0.3)
+
+
+@contextmanager
+def worker_process(settings: Settings, name: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """One more Celery worker (another node, or a successor to a killed one), stopped at the end if it
+    still runs."""
+    with log.open("ab") as fh:
+        proc = subprocess.Popen(
+            embedded.worker_command(settings, name=f"{name}-{time.monotonic_ns()}@%h"),
+            env=embedded.child_env(settings),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(60)

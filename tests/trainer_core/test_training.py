@@ -1,0 +1,296 @@
+"""trainer_core on its own: no web/DB/queue imports, strict spec, row checks, a run by hand."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from tests.support import DEMO, ROOT, write_jsonl
+from trainer_core import rows
+from trainer_core.spec import Hyperparameters, TrainingSpec
+
+FORBIDDEN = {
+    "fastapi",
+    "starlette",
+    "sqlalchemy",
+    "alembic",
+    "celery",
+    "kombu",
+    "redis",
+    "psycopg",
+    "boto3",
+    "botocore",
+    "uvicorn",
+    "ortune",
+    "api",
+    "worker",
+}
+
+
+def test_trainer_core_imports_no_web_db_or_queue_library() -> None:
+    for path in (ROOT / "trainer_core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
+            for name in names:
+                assert name.split(".")[0] not in FORBIDDEN, f"{path.name} imports {name}"
+    # and at run time nothing pulls the service's stack in indirectly (transformers may import botocore)
+    runtime = sorted(FORBIDDEN - {"boto3", "botocore"})
+    probe = (
+        "import sys, trainer_core.launch, trainer_core.trainer, trainer_core.export, trainer_core.registry;"
+        f"bad = sorted({{m.split('.')[0] for m in sys.modules}} & set({runtime!r}));"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_spec_and_validation_modules_load_no_torch() -> None:
+    probe = "import sys, "
+    probe += "trainer_core.spec, trainer_core.rows, trainer_core.registry; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT).returncode == 0
+
+
+def test_spec_rejects_unknown_keys() -> None:
+    with pytest.raises(ValidationError, match="lr"):
+        Hyperparameters.model_validate({"lr": 0.1})
+    with pytest.raises(ValidationError, match="at least two distinct labels"):
+        TrainingSpec.model_validate(
+            {
+                "job_id": "j",
+                "task": "sequence-classification",
+                "model": "tiny-bert",
+                "train_file": "x",
+                "output_dir": "o",
+                "labels": ["a"],
+                "hyperparameters": Hyperparameters().resolved(10).model_dump(),
+            }
+        )
+
+
+def test_auto_hyperparameters_resolve() -> None:
+    hp = Hyperparameters(learning_rate=1e-4, learning_rate_multiplier=2.0).resolved(n_rows=400)
+    assert (hp.n_epochs, hp.batch_size, hp.learning_rate) == (3, 16, 2e-4)
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ('{"text": "a", "label": true}\n', "line 1: 'label' must be a non-empty string or an integer"),
+        ("[1, 2]\n", "line 1: a row must be a JSON object"),
+        ('{"prompt": "p"}\n', "line 1: missing required field 'completion'"),
+        ('{"text": "a", "extra": 1}\n{"text": "b"}\n', "unexpected field(s) extra"),
+        ('{"messages": []}\n', "'messages' must be a non-empty list"),
+    ],
+)
+def test_row_errors(tmp_path: Path, text: str, fragment: str) -> None:
+    path = tmp_path / "f.jsonl"
+    path.write_text(text)
+    report = rows.check_file(path, "jsonl", max_rows=10)
+    assert not report.ok and fragment in (report.details() or "")
+
+
+def test_csv_errors_name_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "f.csv"
+    path.write_text("text,label\nok,a\n,b\nx,y,z\n")
+    details = rows.check_file(path, "csv", max_rows=10).details() or ""
+    assert "line 3: missing required field 'text'" in details
+    assert "line 4: more values than header columns" in details
+
+
+def test_error_report_is_bounded(tmp_path: Path) -> None:
+    path = tmp_path / "f.jsonl"
+    path.write_text("nope\n" * 50)
+    report = rows.check_file(path, "jsonl", max_rows=100)
+    assert report.error_count == 50 and "and 40 more" in (report.details() or "")
+
+
+def test_launch_by_hand_emits_json_lines(tmp_path: Path) -> None:
+    train = write_jsonl(
+        tmp_path / "t.jsonl",
+        [json.loads(x) for x in (DEMO / "sentiment_train.jsonl").read_text().splitlines()[:32]],
+    )
+    spec = TrainingSpec(
+        job_id="ftjob-hand",
+        task="sequence-classification",
+        model="tiny-bert",
+        train_file=str(train),
+        labels=["negative", "positive"],
+        output_dir=str(tmp_path / "out"),
+        hyperparameters=Hyperparameters(max_steps=2, batch_size=8).resolved(32),
+        backend="torch",
+    )
+    spec.dump(tmp_path / "spec.json")
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer_core.launch", str(tmp_path / "spec.json")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = [json.loads(line) for line in result.stdout.splitlines()]  # every stdout line is an event
+    kinds = [e["type"] for e in events]
+    assert "backend" in kinds and kinds[-1] == "result"
+    assert {"metrics", "artifact", "progress"} <= set(kinds)
+    assert (tmp_path / "out" / "pytorch" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "onnx" / "model.onnx").is_file()
+
+
+def test_launch_reports_a_spec_that_cannot_run(tmp_path: Path) -> None:
+    train = write_jsonl(tmp_path / "t.jsonl", [{"text": "a", "label": "x"}, {"text": "b", "label": "y"}])
+    spec = TrainingSpec(
+        job_id="ftjob-fp16",
+        task="sequence-classification",
+        model="tiny-bert",
+        train_file=str(train),
+        labels=["x", "y"],
+        output_dir=str(tmp_path / "out"),
+        hyperparameters=Hyperparameters(max_steps=1).resolved(2),
+        backend="torch",
+        precision="fp16",
+    )
+    spec.dump(tmp_path / "spec.json")
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer_core.launch", str(tmp_path / "spec.json")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert result.returncode == 2
+    error = json.loads(result.stdout.splitlines()[-1])
+    assert error["type"] == "error" and "fp16 needs a CUDA GPU" in error["message"]
+
+
+def test_pickled_weights_are_refused(tmp_path: Path) -> None:
+    from trainer_core import modeling, registry
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "m" / "pytorch_model.bin").write_bytes(b"pickle")
+    info = registry.resolve("m", tmp_path)
+    spec = TrainingSpec(
+        job_id="j",
+        task="causal-lm",
+        model="m",
+        model_path=str(info.path),
+        train_file="x",
+        output_dir="o",
+        hyperparameters=Hyperparameters().resolved(1),
+    )
+    with pytest.raises(modeling.ModelLoadError, match="pickled weights are refused"):
+        modeling.load(info, spec, ["text"])
+
+
+def test_registry_loads_a_local_directory(tmp_path: Path) -> None:
+    """A hub-layout directory under ORTUNE_MODELS_DIR loads through the real from_pretrained path."""
+    import shutil
+
+    from trainer_core import modeling, registry
+
+    src = registry.resolve("sentence-transformers/all-MiniLM-L6-v2").path
+    assert src is not None
+    shutil.copytree(src, tmp_path / "acme" / "minilm")
+    info = registry.resolve("acme/minilm", tmp_path)
+    assert info.source == "local"
+    spec = TrainingSpec(
+        job_id="j",
+        task="sequence-classification",
+        model="acme/minilm",
+        model_path=str(info.path),
+        train_file="x",
+        output_dir="o",
+        labels=["a", "b", "c"],
+        hyperparameters=Hyperparameters().resolved(1),
+    )
+    loaded = modeling.load(info, spec, [])
+    assert loaded.model.config.num_labels == 3 and loaded.model.training
+
+
+@pytest.mark.parametrize("model", ["tiny-bert", "tiny-gpt2"])
+def test_built_models_are_the_same_for_the_same_seed(model: str) -> None:
+    """Same data and seed, same tokenizer and weights: tokenizers' WordPieceTrainer broke this once."""
+    import torch
+
+    from trainer_core import modeling, registry
+
+    texts = [json.loads(x)["text"] for x in (DEMO / "sentiment_train.jsonl").read_text().splitlines()[:48]]
+    spec = TrainingSpec(
+        job_id="j",
+        task="sequence-classification",
+        model=model,
+        train_file="x",
+        output_dir="o",
+        labels=["negative", "positive"],
+        hyperparameters=Hyperparameters().resolved(48),
+    )
+    builds = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        builds.append(modeling.load(registry.resolve(model), spec, texts))
+    first = builds[0]
+    assert len(first.tokenizer) > 100
+    if model == "tiny-bert":  # whole words the data holds stay whole
+        assert first.tokenizer.tokenize("The new phone") == ["the", "new", "phone"]
+    for other in builds[1:]:
+        assert other.tokenizer.get_vocab() == first.tokenizer.get_vocab()
+        for (name, a), (_, b) in zip(
+            first.model.state_dict().items(), other.model.state_dict().items(), strict=True
+        ):
+            assert torch.equal(a, b), name
+
+
+def _replica(rank: int, init: str, skew: float, out: Any) -> None:
+    """One of two gloo ranks holding the same small model, rank 1's weights moved by `skew`."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer_core import ranks
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    if rank == 1:
+        with torch.no_grad():
+            model.weight[0, 0] += skew
+    vote = ranks.any_rank(rank == 1)  # only rank 1 says yes; both hear it
+    try:
+        out.put((rank, vote, ranks.check_in_sync(model)))
+    except ranks.ReplicasDiverged as exc:
+        out.put((rank, vote, str(exc)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("skew", "in_sync"), [(0.0, True), (1e-3, False)])
+def test_ranks_vote_together_and_replicas_that_trained_apart_are_caught(
+    tmp_path: Path, skew: float, in_sync: bool
+) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_replica, args=(r, init, skew, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert [vote for _, vote, _ in results] == [True, True]
+    for _, _, found in results:
+        if in_sync:
+            assert found == 0.0
+        else:
+            assert isinstance(found, str) and "rank(s) [1] hold parameters that differ from rank 0's" in found

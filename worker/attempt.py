@@ -1,0 +1,147 @@
+"""One attempt of a job on this worker: claiming it, beating its heartbeat, and ending it by its outcome.
+
+Only a `queued` job is claimed (compare-and-set to `running`, attempt + 1), so a redelivered task finds
+nothing to do, and every later write names the attempt, so a worker the sweep gave up on cannot overwrite
+the attempt that replaced it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from ortune import lifecycle
+from ortune.db.models import Assignment, File, Job, JobStatus
+from ortune.db.repositories import FileRepository, JobRepository, NodeRepository
+from ortune.db.session import session_scope
+from ortune.settings import Settings
+
+log = logging.getLogger(__name__)
+WORKER = f"{os.uname().nodename}:{os.getpid()}"
+# Set when this worker is asked to shut down (SIGTERM: a deploy, a node drain): the running attempt
+# checkpoints and is requeued, for this or another worker to continue, instead of holding the shutdown.
+DRAINING = threading.Event()
+
+
+@dataclass
+class Outcome:
+    # None: the attempt was superseded (the sweep requeued the job); nothing of it is written back.
+    status: JobStatus | None
+    error: dict[str, Any] | None = None
+
+    @classmethod
+    def failed(cls, code: str, message: str) -> Outcome:
+        return cls(JobStatus.failed, {"code": code, "message": message})
+
+    @classmethod
+    def worker_error(cls, exc: BaseException, what: str = "") -> Outcome:
+        return cls.failed("worker_error", f"{what}{type(exc).__name__}: {exc}")
+
+
+@dataclass
+class Claimed:
+    job: Job
+    train: File
+    valid: File | None
+
+
+class Heartbeat(threading.Thread):
+    """Beats `heartbeat_at` for one attempt until stopped; the sweep requeues an attempt that goes quiet."""
+
+    def __init__(self, settings: Settings, job_id: str, attempt: int) -> None:
+        super().__init__(daemon=True, name=f"heartbeat-{job_id}")
+        self.settings, self.job_id, self.attempt = settings, job_id, attempt
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.settings.heartbeat_seconds):
+            try:
+                with session_scope(self.settings.database_url) as session:
+                    JobRepository(session).beat(self.job_id, self.attempt, WORKER)
+            except Exception:  # the database is down: the next beat tries again
+                log.warning("heartbeat of %s failed", self.job_id, exc_info=True)
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def claim(settings: Settings, job_id: str) -> Claimed | None:
+    """Claim a queued single-process job and a device for it on this node; None when there is nothing to
+    do (another worker has it, it is not queued, it is a multi-process job, or every device is held)."""
+    with session_scope(settings.database_url) as session:
+        jobs = JobRepository(session)
+        job = jobs.get(job_id, for_update=True)
+        if job is None or job.status != JobStatus.queued or job.world_size > 1:
+            return None  # a multi-process job is the scheduler's (worker/scheduler.py)
+        attempt = lifecycle.claim(session, job, WORKER)
+        if attempt is None:
+            return None
+        if not _take_device(session, settings, job_id, attempt):
+            session.rollback()  # stays queued; the sweep sends it again once a device is free
+            jobs.update(job_id, enqueued_at=None)
+            return None
+        session.refresh(job)
+        return Claimed(job, *FileRepository(session).of_job(job))
+
+
+def status_of(settings: Settings, job_id: str) -> JobStatus | None:
+    with session_scope(settings.database_url) as session:
+        return JobRepository(session).status(job_id)
+
+
+def _take_device(session: Session, settings: Settings, job_id: str, attempt: int) -> bool:
+    """Account for the device this attempt uses on this worker's node, so the scheduler does not place
+    a multi-process job's rank on it meanwhile. False when every device of the node is held."""
+    nodes = NodeRepository(session)
+    node = nodes.get(settings.node_name)
+    if node is None:  # not a registered node (a job run by hand): nothing to account for
+        return True
+    taken = {a.device for a in nodes.live_assignments([node.name])}
+    free = [d for d in range(node.devices) if d not in taken]
+    if not free:
+        return False
+    try:
+        with session.begin_nested():
+            session.add(
+                Assignment(job_id=job_id, attempt=attempt, node_name=node.name, node_rank=0, device=free[0])
+            )
+    except IntegrityError:  # the scheduler gave it away a moment ago
+        return False
+    return True
+
+
+def finish(settings: Settings, job: Job, outcome: Outcome) -> None:
+    """Write the attempt's outcome back through the lifecycle (a superseded attempt only says so)."""
+    attempt = job.attempt
+    with session_scope(settings.database_url) as session:
+        match outcome.status:
+            case None:
+                lifecycle.superseded(session, job.id, attempt, WORKER)
+                return
+            case JobStatus.succeeded:
+                lifecycle.succeed(session, job, attempt)
+            case JobStatus.failed:
+                lifecycle.fail(
+                    session, job.id, attempt, outcome.error or {"code": "unknown", "message": None}
+                )
+            case JobStatus.queued:  # this worker is shutting down; the job goes on elsewhere
+                lifecycle.requeue_drained(session, settings, job, attempt, WORKER)
+            case JobStatus.paused:
+                lifecycle.paused_stopped(session, job, attempt)
+            case _:
+                lifecycle.cancelled_stopped(session, job.id, attempt)
+        lifecycle.nudge_search(session, settings, job)
+
+
+def release(
+    settings: Settings, job: Job, node_name: str, exit_code: int | None, error: str | None = None
+) -> None:
+    """Give back the devices this node held for the attempt."""
+    with session_scope(settings.database_url) as session:
+        NodeRepository(session).release(job.id, job.attempt, node_name, exit_code=exit_code, error=error)

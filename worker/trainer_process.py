@@ -1,0 +1,257 @@
+"""The trainer subprocess of an attempt: launching it, relaying its events, storing what it reports, and
+the signals that stop it.
+
+The trainer runs in its own process group and dies with this worker (PR_SET_PDEATHSIG): a cancel kills all
+of it, a pause or a drain asks it (SIGTERM) to checkpoint and exit. Each flush of its events reads the job's
+status back, so a cancel or a pause reaches the trainer within `event_flush_seconds`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ortune.db.base import new_id
+from ortune.db.models import Artifact, Checkpoint, Job, JobStatus
+from ortune.db.repositories import ArtifactRepository, CheckpointRepository
+from ortune.db.session import session_scope
+from ortune.settings import Settings
+from ortune.storage import ObjectStore
+from trainer_core.contract import EXIT_STOPPED, die_with_parent, log_tail
+from trainer_core.spec import TrainingSpec
+from worker.attempt import DRAINING, WORKER, Outcome
+from worker.relay import Relay, reader
+from worker.staging import pack, trainer_env
+
+
+def signal_group(proc: subprocess.Popen[Any], sig: signal.Signals) -> None:
+    """Send `sig` to the process group of a child that is still running."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+
+
+def launch(
+    command: list[str], *, cwd: Path, env: dict[str, str], stdout: Any, stderr: Any
+) -> subprocess.Popen[str]:
+    """Start a trainer (or torchrun) in a process group of its own that dies with this worker."""
+    return subprocess.Popen(
+        command,
+        stdout=stdout,
+        stderr=stderr,
+        text=True,
+        env={**trainer_env(), **env},
+        start_new_session=True,
+        cwd=cwd,
+        preexec_fn=die_with_parent,
+    )
+
+
+class TrainerProcess:
+    """One attempt's subprocess and the handling of what it reports."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: ObjectStore,
+        job: Job,
+        spec: TrainingSpec,
+        command: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        abort_when: Callable[[], str | None] | None = None,
+        stop: Callable[[subprocess.Popen[str]], None] | None = None,
+    ) -> None:
+        self.settings, self.store, self.job, self.spec = settings, store, job, spec
+        self.workdir = Path(spec.output_dir).parent
+        self.command = command or [
+            settings.trainer_python,
+            "-m",
+            "trainer_core.launch",
+            str(self.workdir / "spec.json"),
+        ]
+        self.extra_env = env or {}
+        # Checked at every flush; a reason stops the trainer and fails the attempt (another node failed).
+        self.abort_when = abort_when
+        # How to ask the trainer to checkpoint and stop (a pause, a drain): SIGTERM to its process group.
+        self.stop = stop or (lambda proc: signal_group(proc, signal.SIGTERM))
+        self.relay = Relay(settings.database_url, job.id, job.attempt)
+        self.artifacts: set[str] = set()
+        self.result: dict[str, Any] | None = None
+        self.error: dict[str, Any] | None = None
+        self.drained = False
+        self.stopped_at: int | None = None  # the step the trainer stopped at on request, once it says so
+
+    def run(self) -> Outcome:
+        log_path = self.workdir / "trainer.log"
+        with log_path.open("w") as log_file:
+            proc = launch(
+                self.command, cwd=self.workdir, env=self.extra_env, stdout=subprocess.PIPE, stderr=log_file
+            )
+            assert proc.stdout is not None
+            events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+            thread = reader(proc.stdout, events, log_file)
+            stopped = self._pump(proc, events)
+            thread.join(timeout=5)
+            code = proc.wait()
+        status = self.relay.flush()
+        if stopped is not None:
+            return stopped
+        return self._outcome(status, code, log_path)
+
+    def _outcome(self, status: JobStatus | None, code: int, log_path: Path) -> Outcome:
+        if status == JobStatus.cancelled:
+            return Outcome(JobStatus.cancelled)
+        if status != JobStatus.running and status != JobStatus.paused:
+            return Outcome(None)
+        if code == 0 and self.result is not None and {"pytorch", "onnx"} <= self.artifacts:
+            return Outcome(JobStatus.succeeded)  # finished before a pause could stop it
+        stopped_here = code == EXIT_STOPPED or self.stopped_at is not None
+        if stopped_here and self.drained and status == JobStatus.running:
+            return Outcome(JobStatus.queued)
+        if stopped_here or status == JobStatus.paused:
+            return Outcome(JobStatus.paused)
+        if self.error is not None:
+            return Outcome(JobStatus.failed, self.error)
+        tail = log_tail(log_path, lines=6)
+        return Outcome.failed(
+            "trainer_crashed", f"the training process exited with code {code}; last log lines: {tail}"
+        )
+
+    def _pump(
+        self, proc: subprocess.Popen[str], events: queue.Queue[dict[str, Any] | None]
+    ) -> Outcome | None:
+        """Relay events until the trainer exits. Each flush reads the job's status back: cancelled kills
+        the trainer at once, paused asks it to checkpoint and exit, and a job no longer running (requeued
+        after this worker was given up for lost) is killed. Returns the outcome when it ended early."""
+        last_flush = time.monotonic()
+        stop_deadline: float | None = None
+        done = False
+        while not done:
+            try:
+                event = events.get(timeout=self.settings.event_flush_seconds)
+                if event is None:
+                    done = True
+                else:
+                    self._handle(event)
+            except queue.Empty:
+                pass
+            due = time.monotonic() - last_flush >= self.settings.event_flush_seconds
+            if done or due or len(self.relay.batch) >= self.settings.event_batch_size:
+                status = self.relay.flush()
+                last_flush = time.monotonic()
+                if (ended := self._ended(proc, status)) is not None:
+                    return ended
+                draining = DRAINING.is_set()
+                if (status == JobStatus.paused or draining) and stop_deadline is None:
+                    self.stop(proc)  # checkpoint, then exit; its events keep coming
+                    stop_deadline = time.monotonic() + self.settings.pause_grace_seconds
+                    self.drained = draining
+                    if draining:
+                        self.relay.message(
+                            f"Worker {WORKER} is shutting down: checkpointing to go on elsewhere"
+                        )
+            if stop_deadline is not None and time.monotonic() > stop_deadline:
+                self.relay.message("the trainer did not checkpoint in time; stopped it", level="warn")
+                signal_group(proc, signal.SIGKILL)
+                stop_deadline = float("inf")
+        return None
+
+    def _ended(self, proc: subprocess.Popen[str], status: JobStatus | None) -> Outcome | None:
+        """Kill the trainer when the job ended without it (cancelled, moved on, another node failed)."""
+        if status == JobStatus.cancelled:
+            outcome = Outcome(JobStatus.cancelled)
+        elif status not in (JobStatus.running, JobStatus.paused):
+            outcome = Outcome(None)
+        elif self.abort_when is not None and (reason := self.abort_when()):
+            outcome = Outcome.failed("rank_failed", reason)
+        else:
+            return None
+        signal_group(proc, signal.SIGKILL)
+        return outcome
+
+    def _handle(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        if kind == "checkpoint":
+            self._upload_checkpoint(event)
+        elif kind == "artifact":
+            self._upload_artifact(event)
+        elif kind == "result":
+            self.result = event
+            self.relay.batch.job |= {
+                "result": {
+                    "metrics": event.get("metrics"),
+                    "onnx_max_abs_diff": event.get("onnx_max_abs_diff"),
+                },
+                "trained_tokens": event.get("trained_tokens"),
+            }
+        elif kind == "stopped":
+            self.stopped_at = int(event.get("step") or 0)
+            self.relay.message(
+                f"Training stopped on request at step {self.stopped_at}, after saving its checkpoint",
+                data={"step": self.stopped_at},
+            )
+        elif kind == "error":
+            self.error = {
+                "code": str(event.get("code", "training_error")),
+                "message": str(event.get("message")),
+            }
+            self.relay.message(f"Training failed: {self.error['message']}", level="error")
+        else:
+            self.relay.add(event)
+
+    def _store_dir(self, path: Path, name: str, key: str) -> tuple[int, str]:
+        archive = self.workdir / f"{name}.tar"
+        size, digest = pack(path, archive)
+        self.store.put_path(key, archive)
+        archive.unlink()
+        return size, digest
+
+    def _upload_checkpoint(self, event: dict[str, Any]) -> None:
+        path, step = Path(str(event["path"])), int(event["step"])
+        if not path.is_dir():
+            self.relay.message(f"checkpoint at step {step} was rotated away before upload", level="warn")
+            return
+        # Events up to the checkpoint go in first: what the database shows never lags a stored checkpoint,
+        # so after a lost attempt the events say exactly which steps the next attempt redoes.
+        self.relay.flush()
+        key = f"jobs/{self.job.id}/checkpoints/step-{step}.tar"
+        size, digest = self._store_dir(path, f"checkpoint-{step}", key)
+        metrics = {k: v for k, v in (event.get("metrics") or {}).items() if isinstance(v, int | float)}
+        with session_scope(self.settings.database_url) as session:
+            CheckpointRepository(session).add(
+                Checkpoint(
+                    id=new_id("ftckpt"),
+                    job_id=self.job.id,
+                    step=step,
+                    object_key=key,
+                    bytes=size,
+                    sha256=digest,
+                    metrics=metrics,
+                )
+            )
+        self.relay.message(f"Checkpoint at step {step} stored ({size:,} bytes)", data={"step": step})
+
+    def _upload_artifact(self, event: dict[str, Any]) -> None:
+        fmt, path = str(event["format"]), Path(str(event["path"]))
+        key = f"jobs/{self.job.id}/artifacts/{fmt}.tar"
+        size, digest = self._store_dir(path, fmt, key)
+        with session_scope(self.settings.database_url) as session:
+            ArtifactRepository(session).put(
+                Artifact(
+                    job_id=self.job.id,
+                    format=fmt,
+                    object_key=key,
+                    bytes=size,
+                    sha256=digest,
+                    manifest=event.get("manifest") or {},
+                )
+            )
+        self.artifacts.add(fmt)
+        self.relay.message(f"Stored the {fmt} model ({size:,} bytes, sha256 {digest[:12]}…)")
