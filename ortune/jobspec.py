@@ -81,6 +81,19 @@ class JobSpec(BaseModel):
         )
         return JobSpec.build(hp, n_rows, search_params=params, **kept)
 
+    def training_fields(self) -> dict[str, Any]:
+        """What the trainer's own `TrainingSpec` takes from this spec as it is."""
+        return {
+            "task": self.task,
+            "labels": self.labels,
+            "hyperparameters": self.resolved_hyperparameters,
+            "backend": self.backend,
+            "optim": self.optim,
+            "precision": self.precision,
+            "checkpoint_every_steps": self.checkpoint_every_steps,
+            "distributed": self.distributed,
+        }
+
     @property
     def is_search(self) -> bool:
         return self.hyperparameter_search is not None

@@ -35,10 +35,10 @@ def _send_after_commit(session: Session, settings: Settings, job: Job) -> None:
     on_commit(session, lambda: send(settings, job_id))
 
 
-def claim(session: Session, job: Job, worker: str) -> int | None:
-    """queued -> running as a new attempt on a single-process worker; the attempt number, or None."""
+def _start_attempt(session: Session, job: Job, worker: str) -> int | None:
+    """queued -> running as attempt + 1, held by `worker`; the attempt number, or None."""
     attempt = job.attempt + 1
-    if not JobRepository(session).transition(
+    started = JobRepository(session).transition(
         job.id,
         JobStatus.running,
         only_from=[JobStatus.queued],
@@ -46,30 +46,27 @@ def claim(session: Session, job: Job, worker: str) -> int | None:
         started_at=job.started_at or utcnow(),
         heartbeat_at=utcnow(),
         worker=worker,
-    ):
-        return None
-    EventRepository(session).add(
-        job.id, f"Attempt {attempt} started on worker {worker}", data={"attempt": attempt, "worker": worker}
     )
+    return attempt if started else None
+
+
+def claim(session: Session, job: Job, worker: str) -> int | None:
+    """A single-process worker takes a queued job as a new attempt; the attempt number, or None."""
+    if (attempt := _start_attempt(session, job, worker)) is not None:
+        EventRepository(session).add(
+            job.id,
+            f"Attempt {attempt} started on worker {worker}",
+            data={"attempt": attempt, "worker": worker},
+        )
     return attempt
 
 
 def place(session: Session, job: Job, lead_worker: str, where: str, data: dict[str, Any]) -> int | None:
-    """queued -> running as a new attempt of a multi-process job, placed `where` by the scheduler."""
-    attempt = job.attempt + 1
-    if not JobRepository(session).transition(
-        job.id,
-        JobStatus.running,
-        only_from=[JobStatus.queued],
-        attempt=attempt,
-        started_at=job.started_at or utcnow(),
-        heartbeat_at=utcnow(),
-        worker=lead_worker,
-    ):
-        return None
-    EventRepository(session).add(
-        job.id, f"Attempt {attempt} placed on {where}", data={"attempt": attempt, **data}
-    )
+    """The scheduler starts a queued multi-process job as a new attempt on the nodes `where` says."""
+    if (attempt := _start_attempt(session, job, lead_worker)) is not None:
+        EventRepository(session).add(
+            job.id, f"Attempt {attempt} placed on {where}", data={"attempt": attempt, **data}
+        )
     return attempt
 
 

@@ -215,12 +215,11 @@ def _leave_together(code: int) -> None:
     """A rank under torchrun that finished its work waits for the others, leaves the process group, and exits
     without the interpreter's teardown.
 
-    The teardown runs ONNX Runtime's C++ destructors with threads still joinable, and a rank that had finished
-    now and then aborted there ("terminate called without an active exception", SIGABRT), failing a job whose
-    training and artifacts were complete (seen twice in tests/test_distributed, ddp with ORT). The barrier
-    comes first so that no rank closes its sockets while another still waits on a collective (an earlier try
-    without it cut a peer's checkpoint barrier short). Every file a rank writes is closed by the time `main`
-    returns; stdio is flushed here."""
+    The teardown runs ONNX Runtime's C++ destructors with threads still joinable, where a finished rank can
+    abort ("terminate called without an active exception", SIGABRT) and fail a job whose training and
+    artifacts are complete. The barrier comes first so that no rank closes its sockets while another still
+    waits on a collective. Every file a rank writes is closed by the time `main` returns; stdio is flushed
+    here."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

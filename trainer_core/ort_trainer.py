@@ -4,9 +4,9 @@ What Optimum's ORTTrainer did, through the Trainer's hooks only (never a copy of
 
 - `_wrap_model` wraps the model with ORTModule for training and makes it, for the length of `train()`, the
   Trainer's `model`. The Trainer hands Accelerate the model only when `_wrap_model` returns `self.model`
-  unchanged; otherwise it prepares the optimizer alone, and the ORTModule trained with no DDP and no DeepSpeed
-  around it: every rank trained on its own shard (trainer_core.ranks caught it). So Accelerate now wraps the
-  ORTModule itself: DDP(ORTModule), DeepSpeedEngine(ORTModule) for ZeRO-1, or nothing in one process.
+  unchanged (otherwise it prepares the optimizer alone and each rank would train on its own shard), so
+  Accelerate wraps the ORTModule itself: DDP(ORTModule), DeepSpeedEngine(ORTModule) for ZeRO-1, or nothing in
+  one process.
 - Evaluation and saving use the plain PyTorch module, which shares its parameters with the ORTModule, so
   checkpoints are ordinary Hugging Face directories whatever the backend.
 - `create_optimizer` adds `adamw_ort_fused` (ORT's CUDA FusedAdam).

@@ -61,27 +61,19 @@ def stage(
         store.get_to_path(valid.object_key, data / f"valid.{vfmt}")
     model = registry.resolve(job.model, settings.models_dir)
     resume_from = resume_point(settings, store, job, workdir, lead=lead)
-    s = job.spec
     spec = TrainingSpec(
         job_id=job.id,
-        task=s.task,
         model=job.model,
         model_path=str(model.path) if model.path else None,
         train_file=str(data / f"train.{fmt}"),
         train_format=fmt,
         validation_file=str(data / f"valid.{vfmt}") if valid else None,
         validation_format=vfmt,
-        labels=s.labels,
         output_dir=str(workdir / "out"),
-        hyperparameters=s.resolved_hyperparameters,
-        backend=s.backend,
-        optim=s.optim,
-        precision=s.precision,
         seed=job.seed,
-        checkpoint_every_steps=s.checkpoint_every_steps,
-        distributed=s.distributed,
         resume_from=resume_from,
         distributed_timeout_seconds=settings.distributed_timeout_seconds,
+        **job.spec.training_fields(),
     )
     spec.dump(workdir / "spec.json")
     if lead:
