@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -20,9 +21,12 @@ METRIC_NAMES = {
 
 
 class EventCallback(TrainerCallback):
-    def __init__(self, events: EventStream, samples_per_step: int) -> None:
+    def __init__(
+        self, events: EventStream, samples_per_step: int, padding: Callable[[], float | None] | None = None
+    ) -> None:
         self.events = events
         self.samples_per_step = samples_per_step
+        self.padding = padding  # the padding fraction of the batches since the last log
         self._t0 = 0.0
         self._step0 = 0
 
@@ -30,6 +34,7 @@ class EventCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         self._t0, self._step0 = time.perf_counter(), state.global_step
+        self.events.emit("phase", name="training")
         self.events.emit("progress", step=state.global_step, total_steps=state.max_steps)
         self.events.message(f"training started: {state.max_steps} steps, {args.num_train_epochs:g} epoch(s)")
 
@@ -56,8 +61,15 @@ class EventCallback(TrainerCallback):
         done = state.global_step - self._step0
         if "train_loss" in values and elapsed > 0 and done > 0:
             values["samples_per_second"] = done * self.samples_per_step / elapsed
+        if "train_loss" in values and self.padding is not None and (fraction := self.padding()) is not None:
+            values["padding_fraction"] = fraction
         if set(values) - {"epoch"}:
             self.events.emit("metrics", step=state.global_step, total_steps=state.max_steps, **values)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self.events.emit("phase", name="export")
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any

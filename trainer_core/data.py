@@ -1,15 +1,14 @@
-"""Rows to tokenized examples for each task, and the collators that pad them."""
+"""How rows become batches: the generative rows' rendering, the length-bucketed sampler and the collator."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from trainer_core.spec import TrainingSpec
-
-IGNORE = -100
+from trainer_core.datastore import IGNORE
 
 
 def render(row: dict[str, Any]) -> tuple[str, str]:
@@ -26,55 +25,64 @@ def render(row: dict[str, Any]) -> tuple[str, str]:
     return "", row["text"]
 
 
-def texts_of(rows: Sequence[dict[str, Any]]) -> list[str]:
-    if rows and "label" in rows[0]:
-        return [r["text"] for r in rows]
-    return ["".join(render(r)) for r in rows]
+class BucketSampler(torch.utils.data.Sampler[int]):
+    """Batches of rows of about the same length, so that padding stays small on variable-length data.
 
+    Each epoch shuffles the rows, sorts each window of `window_batches` batches by length, cuts the windows
+    into batches and shuffles the batches, so batches still come in random order. The order is a function of
+    (seed, epoch) alone: a run resumed mid-epoch (the Trainer skips the batches it already trained) sees the
+    batches an uninterrupted run would have seen.
+    """
 
-class Examples(torch.utils.data.Dataset[dict[str, Any]]):
-    def __init__(self, items: list[dict[str, Any]]) -> None:
-        self.items = items
+    def __init__(
+        self, lengths: Sequence[int] | np.ndarray, batch_size: int, seed: int, window_batches: int = 64
+    ):
+        self.lengths = np.asarray(lengths)
+        self.batch_size, self.seed, self.window = batch_size, seed, batch_size * window_batches
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.lengths)
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return self.items[i]
-
-
-def encode(rows: Sequence[dict[str, Any]], tokenizer: Any, spec: TrainingSpec) -> Examples:
-    max_len = spec.hyperparameters.max_seq_length
-    if spec.task == "sequence-classification":
-        index = {str(label): i for i, label in enumerate(spec.labels)}
-        enc = tokenizer([r["text"] for r in rows], truncation=True, max_length=max_len)
-        return Examples(
-            [
-                {"input_ids": ids, "attention_mask": mask, "labels": index[str(r["label"])]}
-                for ids, mask, r in zip(enc["input_ids"], enc["attention_mask"], rows, strict=True)
-            ]
+    def order(self, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, epoch])
+        perm = rng.permutation(len(self.lengths))
+        windows = [perm[i : i + self.window] for i in range(0, len(perm), self.window)]
+        grouped = np.concatenate(
+            [w[np.argsort(-self.lengths[w], kind="stable")] for w in windows] or [np.zeros(0, np.int64)]
         )
-    items = []
-    eos = tokenizer.eos_token_id
-    for r in rows:
-        prompt, target = render(r)
-        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
-        t_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
-        ids = (p_ids + t_ids)[:max_len]
-        labels = ([IGNORE] * len(p_ids) + t_ids)[:max_len]
-        items.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels})
-    return Examples(items)
+        batches = [grouped[i : i + self.batch_size] for i in range(0, len(grouped), self.batch_size)]
+        # the last, short batch stays last: the Trainer's batch count and drop_last see what they expect
+        full, rest = (batches[:-1], batches[-1:]) if len(grouped) % self.batch_size else (batches, [])
+        shuffled = [full[i] for i in rng.permutation(len(full))] + rest
+        return np.concatenate(shuffled) if shuffled else grouped
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order(self.epoch).tolist())
 
 
 class Collator:
-    """Pads to the longest example in the batch; labels of padding are ignored by the loss."""
+    """Pads to the longest example in the batch; labels of padding are ignored by the loss. Counts the real
+    and the padded positions it makes, for the padding fraction the metrics report."""
 
     def __init__(self, pad_id: int, task: str) -> None:
         self.pad_id = pad_id
         self.task = task
+        self.real = self.padded = 0
+
+    def padding_fraction(self) -> float | None:
+        """The part of the positions since the last call that were padding."""
+        total, real = self.padded, self.real
+        self.real = self.padded = 0
+        return None if total == 0 else 1.0 - real / total
 
     def __call__(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         width = max(len(b["input_ids"]) for b in batch)
+        self.real += sum(len(b["input_ids"]) for b in batch)
+        self.padded += width * len(batch)
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for i, b in enumerate(batch):

@@ -23,6 +23,19 @@ from trainer_core.ranks import rank
 from trainer_core.spec import TrainingSpec
 
 
+def with_stores(spec: TrainingSpec) -> TrainingSpec:
+    """The spec with its stores named: where the worker staged them, or beside the output when run by hand."""
+    if spec.train_store is not None:
+        return spec
+    stores = Path(spec.output_dir).parent / "stores"
+    return spec.model_copy(
+        update={
+            "train_store": str(stores / "train"),
+            "validation_store": str(stores / "valid") if spec.validation_file else None,
+        }
+    )
+
+
 class Stopped(Exception):
     """Training stopped on SIGTERM after its checkpoint was saved."""
 
@@ -32,38 +45,36 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     import torch
     import transformers
 
-    from trainer_core import backends, data, export, modeling, ort_trainer, ranks, registry, rows, trainer
+    from trainer_core import backends, data, export, modeling, ort_trainer, prepare, ranks, registry, trainer
 
     transformers.utils.logging.set_verbosity_error()
     cuda = torch.cuda.is_available()
     choice = backends.choose(spec, cuda=cuda)
     transformers.set_seed(spec.seed)
-    train_rows = rows.load_rows(Path(spec.train_file), spec.train_format)
-    valid_rows = (
-        rows.load_rows(Path(spec.validation_file), spec.validation_format) if spec.validation_file else []
-    )
+    spec = with_stores(spec)
+    train_set, valid_set = prepare.ensure(spec, events)
     info = registry.ModelInfo(
         spec.model,
         "built" if spec.model_path is None else "local",
         Path(spec.model_path) if spec.model_path else None,
         registry.ALL_TASKS,
     )
+    events.emit("phase", name="loading")
     t0 = time.perf_counter()
     # ORT's gradient builder cannot take SDPA attention, so a model that may run in ORT loads eager attention.
     attention = "sdpa" if choice.used == "torch" else "eager"
-    loaded = modeling.load(info, spec, data.texts_of(train_rows), attn_implementation=attention)
+    tokenizer = prepare.load_tokenizer(spec, train_set)
+    loaded = modeling.load(info, spec, tokenizer=tokenizer, attn_implementation=attention)
     load_s = time.perf_counter() - t0
     events.message(
         f"loaded {spec.model} ({sum(p.numel() for p in loaded.model.parameters()):,} parameters) "
         f"in {load_s:.1f}s",
         load_s=round(load_s, 3),
     )
-    train_set = data.encode(train_rows, loaded.tokenizer, spec)
-    valid_set = data.encode(valid_rows, loaded.tokenizer, spec) if valid_rows else None
     ort_module = None
     if choice.needs_measurement:
         collate = data.Collator(loaded.tokenizer.pad_token_id, spec.task)
-        batch = collate(train_set.items[: spec.hyperparameters.batch_size])
+        batch = collate([train_set[i] for i in range(min(len(train_set), spec.hyperparameters.batch_size))])
         try:
             figures = backends.measure(loaded.model, batch)
         except Exception as exc:  # ORT could not run this model: auto trains with PyTorch and says why
@@ -134,12 +145,12 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     }
     pt = export.save_pytorch(model, loaded.tokenizer, out / "pytorch", manifest)
     events.emit("artifact", format="pytorch", path=str(out / "pytorch"), manifest=pt)
-    samples = data.texts_of(valid_rows or train_rows)[:8]
+    samples = (valid_set or train_set).meta.samples
     onnx = export.export_onnx(
         model, loaded.tokenizer, out / "onnx", samples, manifest, max_len=spec.hyperparameters.max_seq_length
     )
     events.emit("artifact", format="onnx", path=str(out / "onnx"), manifest=onnx)
-    tokens = sum(len(x["input_ids"]) for x in train_set.items) * spec.hyperparameters.n_epochs
+    tokens = train_set.meta.tokens * spec.hyperparameters.n_epochs
     events.emit(
         "result",
         metrics=final,

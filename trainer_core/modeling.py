@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,8 @@ class Loaded:
     tokenizer: Any
 
 
-def _train_tokenizer(kind: str, texts: Sequence[str]) -> Any:
+def train_tokenizer(kind: str, texts: Iterable[str]) -> Any:
+    """A tokenizer for a built model, learnt from `texts` (deterministic for the same texts)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -74,7 +75,7 @@ def _train_tokenizer(kind: str, texts: Sequence[str]) -> Any:
     )
 
 
-def _build(info: ModelInfo, spec: TrainingSpec, texts: Sequence[str], label_kw: dict[str, Any]) -> Loaded:
+def _build(info: ModelInfo, spec: TrainingSpec, tokenizer: Any, label_kw: dict[str, Any]) -> Loaded:
     from transformers import (
         BertConfig,
         BertForSequenceClassification,
@@ -83,7 +84,6 @@ def _build(info: ModelInfo, spec: TrainingSpec, texts: Sequence[str], label_kw: 
         GPT2LMHeadModel,
     )
 
-    tokenizer = _train_tokenizer(info.id, texts)
     positions = max(256, spec.hyperparameters.max_seq_length)
     if info.id == "tiny-bert":
         bert = BertConfig(
@@ -114,9 +114,16 @@ def _build(info: ModelInfo, spec: TrainingSpec, texts: Sequence[str], label_kw: 
 
 
 def load(
-    info: ModelInfo, spec: TrainingSpec, texts: Sequence[str], *, attn_implementation: str = "sdpa"
+    info: ModelInfo,
+    spec: TrainingSpec,
+    texts: Iterable[str] = (),
+    *,
+    tokenizer: Any = None,
+    attn_implementation: str = "sdpa",
 ) -> Loaded:
-    """The model in train mode and its tokenizer. Never trust_remote_code; weights from safetensors only."""
+    """The model in train mode and its tokenizer. Never trust_remote_code; weights from safetensors only.
+
+    A built model takes `tokenizer` (the one its data was tokenized with) or learns one from `texts`."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     label_kw: dict[str, Any] = {}
@@ -128,7 +135,7 @@ def load(
             "label2id": {n: i for i, n in enumerate(names)},
         }
     if info.source == "built":
-        loaded = _build(info, spec, texts, label_kw)
+        loaded = _build(info, spec, tokenizer or train_tokenizer(info.id, texts), label_kw)
         loaded.model.config._attn_implementation = attn_implementation
     else:
         assert info.path is not None
@@ -141,7 +148,9 @@ def load(
             if spec.task == "sequence-classification"
             else AutoModelForCausalLM
         )
-        tokenizer = AutoTokenizer.from_pretrained(info.path, local_files_only=True, trust_remote_code=False)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(
+            info.path, local_files_only=True, trust_remote_code=False
+        )
         model = auto.from_pretrained(
             info.path,
             local_files_only=True,

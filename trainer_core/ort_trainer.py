@@ -56,9 +56,16 @@ def training_graph_nodes(ort_module: torch.nn.Module) -> int:
 
 
 class ORTTrainer(Trainer):
-    def __init__(self, *args: Any, ort_module: torch.nn.Module | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        ort_module: torch.nn.Module | None = None,
+        train_sampler: torch.utils.data.Sampler[int] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.ort_module = ort_module
+        self.job_sampler = train_sampler
         self.plain_model: torch.nn.Module = self.model  # type: ignore[assignment]
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
@@ -66,6 +73,10 @@ class ORTTrainer(Trainer):
             return super().train(*args, **kwargs)
         finally:
             self.model = self.plain_model  # whatever ran, the caller gets the PreTrainedModel back
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler[int] | None:
+        # the job's own sampler (length-bucketed, resumable by seed and epoch) where one was given
+        return self.job_sampler or super()._get_train_sampler(train_dataset)
 
     def _wrap_model(
         self, model: torch.nn.Module, training: bool = True, dataloader: Any = None

@@ -88,6 +88,10 @@ class TrainingSpec(Strict):
     train_format: Literal["jsonl", "csv"] = "jsonl"
     validation_file: str | None = None
     validation_format: Literal["jsonl", "csv"] = "jsonl"
+    # Where the files' tokenized stores are (or are to be built): trainer_core/datastore.py.
+    train_store: str | None = None
+    validation_store: str | None = None
+    train_rows: int | None = Field(default=None, description="Rows in the training file, for progress.")
     labels: list[str | int] = Field(default_factory=list)
     output_dir: str
     hyperparameters: ResolvedHyperparameters

@@ -9,7 +9,8 @@ import numpy as np
 
 from trainer_core.backends import BackendChoice
 from trainer_core.callbacks import EventCallback, StopOnRequest
-from trainer_core.data import Collator, Examples
+from trainer_core.data import BucketSampler, Collator
+from trainer_core.datastore import TokenStore
 from trainer_core.events import EventStream
 from trainer_core.ort_trainer import ORTTrainer, ORTTrainingArguments
 from trainer_core.spec import TrainingSpec
@@ -95,8 +96,8 @@ def build(
     choice: BackendChoice,
     model: Any,
     tokenizer: Any,
-    train: Examples,
-    valid: Examples | None,
+    train: TokenStore,
+    valid: TokenStore | None,
     events: EventStream,
     *,
     cuda: bool,
@@ -104,14 +105,22 @@ def build(
     stop: StopOnRequest | None = None,
 ) -> ORTTrainer:
     args = training_arguments(spec, choice, cuda=cuda, has_eval=valid is not None)
-    samples_per_step = spec.hyperparameters.batch_size * spec.hyperparameters.gradient_accumulation_steps
+    hp = spec.hyperparameters
+    samples_per_step = hp.batch_size * hp.gradient_accumulation_steps
+    collator = Collator(tokenizer.pad_token_id, spec.task)
+    # bucketed by the global batch: accelerate cuts each into the ranks' parts
+    sampler = BucketSampler(train.lengths, hp.batch_size, spec.seed)
     return ORTTrainer(
         ort_module=ort_module,
+        train_sampler=sampler,
         model=model,
         args=args,
         train_dataset=train,
         eval_dataset=valid,
-        data_collator=Collator(tokenizer.pad_token_id, spec.task),
+        data_collator=collator,
         compute_metrics=accuracy if spec.task == "sequence-classification" else None,
-        callbacks=[EventCallback(events, samples_per_step), *([stop] if stop else [])],
+        callbacks=[
+            EventCallback(events, samples_per_step, collator.padding_fraction),
+            *([stop] if stop else []),
+        ],
     )

@@ -14,7 +14,15 @@ from ortune.db.models import JobStatus
 from ortune.db.repositories import EventRepository, JobRepository, MetricRepository
 from ortune.db.session import session_scope
 
-SERIES = ("train_loss", "eval_loss", "eval_accuracy", "learning_rate", "grad_norm", "samples_per_second")
+SERIES = (
+    "train_loss",
+    "eval_loss",
+    "eval_accuracy",
+    "learning_rate",
+    "grad_norm",
+    "samples_per_second",
+    "padding_fraction",
+)
 
 
 def reader(stream: IO[str], out: queue.Queue[dict[str, Any] | None], log: IO[str]) -> threading.Thread:

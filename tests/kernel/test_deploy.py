@@ -59,7 +59,9 @@ def test_compose_wires_real_services_and_settings() -> None:
         env = services[name]["environment"]
         assert set(env) <= fields, f"{name}: {sorted(set(env) - fields)} are not settings"
         assert env["ORTUNE_DATABASE_URL"].startswith("postgresql+psycopg://")
-        assert env["ORTUNE_BROKER_URL"].startswith("redis://") and env["ORTUNE_STORAGE_URL"].startswith("s3://")
+        assert env["ORTUNE_BROKER_URL"].startswith("redis://") and env["ORTUNE_STORAGE_URL"].startswith(
+            "s3://"
+        )
         assert (ROOT / services[name]["build"]["dockerfile"]).is_file()
     assert services["migrate"]["command"][0] == "ortune"
     assert services["migrate"]["command"][1] in _cli_commands()

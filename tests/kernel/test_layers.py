@@ -56,7 +56,7 @@ def test_no_import_cycle() -> None:
         path.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                cycle = path[path.index(nxt) :] + [nxt]
+                cycle = [*path[path.index(nxt) :], nxt]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from tests.support import ROOT, rows, write_jsonl
-from trainer_core import backends, data, modeling, ort_trainer, registry, trainer
+from trainer_core import backends, modeling, ort_trainer, prepare, registry, trainer
 from trainer_core.events import EventStream
+from trainer_core.launch import with_stores
 from trainer_core.spec import Hyperparameters, TrainingSpec
 
 BROKEN_ORT = """
@@ -76,9 +77,14 @@ def losses_with(backend: str, tmp: Path) -> tuple[list[float], Any]:
     spec = spec_for(tmp, backend=backend, hyperparameters=hp)
     choice = backends.choose(spec, cuda=False)
     torch.manual_seed(spec.seed)
-    train_rows = rows(48)
+    spec = with_stores(spec.model_copy(update={"output_dir": str(tmp / backend / "out")}))
+    with (tmp / f"{backend}.prepare").open("w") as out:
+        train, _ = prepare.ensure(spec, EventStream(out))
     loaded = modeling.load(
-        registry.resolve("tiny-bert"), spec, data.texts_of(train_rows), attn_implementation="eager"
+        registry.resolve("tiny-bert"),
+        spec,
+        tokenizer=prepare.load_tokenizer(spec, train),
+        attn_implementation="eager",
     )
     for module in loaded.model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -89,7 +95,7 @@ def losses_with(backend: str, tmp: Path) -> tuple[list[float], Any]:
             choice,
             loaded.model,
             loaded.tokenizer,
-            data.encode(train_rows, loaded.tokenizer, spec),
+            train,
             None,
             EventStream(out),
             cuda=False,

@@ -1,0 +1,162 @@
+"""Tokenized data on disk: a file's rows tokenized once into memory-mapped columns, so that a trainer's memory
+does not grow with the file and every attempt, trial, rank and later job on the same file reuses them.
+
+A store is a directory:
+
+- `ids.u32`: every row's token ids, one after the other (uint32);
+- `offsets.i64`: where row i starts in `ids.u32` (n + 1 entries);
+- `targets.i64`: per row, the class index (sequence classification) or the number of leading prompt tokens
+  that carry no loss (causal LM);
+- `meta.json`: the key, row and token counts, the longest row, a few sample texts for the export's parity
+  check; `tokenizer/` when the tokenizer was trained on this very file (the tiny built models).
+
+Only numpy and the standard library here: the worker computes keys without torch or transformers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+VERSION = 1
+IGNORE = -100
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def tokenizer_fingerprint(model_path: Path | None) -> str:
+    """What identifies a model's tokenizer: the bytes of its files; a built model's is trained on the data,
+    so its name (with the file's digest in the key) says it all."""
+    if model_path is None:
+        return "built"
+    digest = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        path = model_path / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def store_key(
+    file_sha256: str,
+    *,
+    model: str,
+    tokenizer: str,
+    task: str,
+    max_seq_length: int,
+    labels: list[Any],
+    tokenized_with: str | None = None,
+) -> str:
+    """The key of a file's store: everything that changes its token ids. A validation file is tokenized
+    with the training store's tokenizer, named by `tokenized_with` (the training store's key)."""
+    parts = [VERSION, file_sha256, model, tokenizer, task, max_seq_length, [str(x) for x in labels]]
+    blob = json.dumps([*parts, tokenized_with], separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Meta:
+    key: str
+    task: str
+    rows: int
+    tokens: int
+    longest: int
+    samples: list[str]
+    has_tokenizer: bool
+
+    @classmethod
+    def read(cls, store: Path) -> Meta:
+        return cls(**json.loads((store / "meta.json").read_text()))
+
+
+class TokenStore:
+    """A store opened read-only: row i as the Trainer's collator wants it, from memory-mapped columns."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.meta = Meta.read(path)
+        self.offsets = np.fromfile(path / "offsets.i64", dtype=np.int64)
+        self.targets = np.fromfile(path / "targets.i64", dtype=np.int64)
+        size = int(self.offsets[-1])
+        # np.memmap cannot map an empty file; a store of empty rows has none of its pages anyway
+        self.ids = (
+            np.memmap(path / "ids.u32", dtype=np.uint32, mode="r", shape=(size,))
+            if size
+            else np.zeros(0, np.uint32)
+        )
+        self.lengths = np.diff(self.offsets)
+
+    def __len__(self) -> int:
+        return self.meta.rows
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        ids = self.ids[self.offsets[i] : self.offsets[i + 1]].astype(np.int64).tolist()
+        target = int(self.targets[i])
+        if self.meta.task == "sequence-classification":
+            return {"input_ids": ids, "labels": target}
+        labels = [IGNORE] * min(target, len(ids)) + ids[target:]
+        return {"input_ids": ids, "labels": labels}
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        return self.path / "tokenizer" if self.meta.has_tokenizer else None
+
+
+class StoreWriter:
+    """Appends tokenized rows to a store being built in `path` (a fresh directory); `close` makes it whole."""
+
+    def __init__(self, path: Path, key: str, task: str) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self.path, self.key, self.task = path, key, task
+        self._ids = (path / "ids.u32").open("wb")
+        self._offsets = (path / "offsets.i64").open("wb")
+        self._targets = (path / "targets.i64").open("wb")
+        self._offsets.write(np.zeros(1, np.int64).tobytes())
+        self.rows = self.tokens = self.longest = 0
+        self.samples: list[str] = []
+
+    def add(self, batch_ids: list[list[int]], targets: list[int], texts: list[str]) -> None:
+        lengths = np.fromiter((len(x) for x in batch_ids), dtype=np.int64, count=len(batch_ids))
+        flat = np.fromiter((t for ids in batch_ids for t in ids), dtype=np.uint32, count=int(lengths.sum()))
+        self._ids.write(flat.tobytes())
+        self._offsets.write((self.tokens + np.cumsum(lengths)).astype(np.int64).tobytes())
+        self._targets.write(np.asarray(targets, dtype=np.int64).tobytes())
+        self.rows += len(batch_ids)
+        self.tokens += int(lengths.sum())
+        self.longest = max(self.longest, int(lengths.max(initial=0)))
+        self.samples += texts[: 8 - len(self.samples)]
+
+    def close(self, *, has_tokenizer: bool = False) -> Meta:
+        for fh in (self._ids, self._offsets, self._targets):
+            fh.close()
+        meta = Meta(self.key, self.task, self.rows, self.tokens, self.longest, self.samples, has_tokenizer)
+        (self.path / "meta.json").write_text(json.dumps(meta.__dict__))  # written last: a store is whole
+        return meta
+
+
+def is_whole(path: Path) -> bool:
+    return (path / "meta.json").is_file()
+
+
+def batched(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

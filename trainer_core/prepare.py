@@ -1,0 +1,221 @@
+"""Tokenize a job's files into stores (trainer_core/datastore.py): `python -m trainer_core.prepare spec.json`.
+
+The worker runs this before the trainer when the stores its spec names are not cached yet, relays its
+progress events and keeps the stores. Rows are read streaming and tokenized in batches by the fast
+tokenizer's own threads, so memory stays flat in the file's size. `ensure` is also what the trainer calls
+when it is run by hand without stores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from trainer_core import datastore, rows
+from trainer_core.contract import EXIT_FAILED, EXIT_OK
+from trainer_core.datastore import StoreWriter, TokenStore
+from trainer_core.events import EventStream
+from trainer_core.spec import TrainingSpec
+
+BATCH = 2048
+TOKENIZER_ROWS = 100_000  # a built model's tokenizer learns its vocabulary from the first rows only
+PROGRESS_EVERY_S = 1.0
+
+
+def _render(row: dict[str, Any]) -> tuple[str, str]:
+    from trainer_core.data import render
+
+    return render(row)
+
+
+def _texts(path: Path, fmt: str, limit: int) -> Iterator[str]:
+    with path.open(encoding="utf-8", newline="") as fh:
+        for n, (_, row) in enumerate(rows.iter_rows(fh, fmt)):
+            if n >= limit:
+                return
+            assert not isinstance(row, rows.RowError), row
+            yield row["text"] if "label" in row else "".join(_render(row))
+
+
+def _tokenizer(spec: TrainingSpec, store: Path) -> Any:
+    """The job's tokenizer: the model's own, or for a built model one trained on the training file's first
+    rows and kept in the store (every later reader of the store must use the very same one)."""
+    from transformers import AutoTokenizer
+
+    if spec.model_path is not None:
+        return AutoTokenizer.from_pretrained(spec.model_path, local_files_only=True, trust_remote_code=False)
+    from trainer_core.modeling import train_tokenizer
+
+    tokenizer = train_tokenizer(spec.model, _texts(Path(spec.train_file), spec.train_format, TOKENIZER_ROWS))
+    tokenizer.save_pretrained(store / "tokenizer")
+    return tokenizer
+
+
+def _encode(
+    batch: list[dict[str, Any]], tokenizer: Any, spec: TrainingSpec
+) -> tuple[list[list[int]], list[int]]:
+    """Token ids and targets (class index, or prompt length) of a batch of rows."""
+    max_len = spec.hyperparameters.max_seq_length
+    if spec.task == "sequence-classification":
+        index = {str(label): i for i, label in enumerate(spec.labels)}
+        ids = tokenizer([r["text"] for r in batch], truncation=True, max_length=max_len)["input_ids"]
+        return ids, [index[str(r["label"])] for r in batch]
+    pairs = [_render(r) for r in batch]
+    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+    targets = tokenizer([t for _, t in pairs], add_special_tokens=False)["input_ids"]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids = [(p + t + eos)[:max_len] for p, t in zip(prompts, targets, strict=True)]
+    return ids, [len(p) for p in prompts]
+
+
+def _build(
+    path: Path,
+    fmt: str,
+    store: Path,
+    key: str,
+    tokenizer: Any,
+    spec: TrainingSpec,
+    events: EventStream,
+    *,
+    what: str,
+    total: int | None,
+    has_tokenizer: bool,
+) -> None:
+    writer = StoreWriter(store, key, spec.task)
+    t0 = last = time.monotonic()
+    with path.open(encoding="utf-8", newline="") as fh:
+        stream = (row for _, row in rows.iter_rows(fh, fmt) if not isinstance(row, rows.RowError))
+        for batch in datastore.batched(stream, BATCH):
+            ids, targets = _encode(batch, tokenizer, spec)
+            texts = [r["text"] if "label" in r else "".join(_render(r)) for r in batch[:8]]
+            writer.add(ids, targets, texts)
+            if (now := time.monotonic()) - last >= PROGRESS_EVERY_S:
+                last = now
+                _progress(events, what, writer.rows, total, writer.rows / (now - t0))
+    meta = writer.close(has_tokenizer=has_tokenizer)
+    took = time.monotonic() - t0
+    events.message(
+        f"Tokenized {meta.rows:,} {what} rows ({meta.tokens:,} tokens) in {took:.1f}s "
+        f"({meta.rows / max(took, 1e-9):,.0f} rows/s)",
+        phase="tokenizing",
+        rows=meta.rows,
+        tokens=meta.tokens,
+        seconds=round(took, 3),
+        store=key,
+    )
+
+
+def _progress(events: EventStream, what: str, done: int, total: int | None, rate: float) -> None:
+    eta = (total - done) / rate if total and rate > 0 else None
+    of = f"/{total:,}" if total else ""
+    tail = f", ETA {eta:.0f}s" if eta is not None else ""
+    events.message(
+        f"Tokenizing {what} data: {done:,}{of} rows, {rate:,.0f} rows/s{tail}",
+        phase="tokenizing",
+        rows_done=done,
+        rows_total=total,
+        rows_per_second=round(rate, 1),
+        eta_seconds=round(eta, 1) if eta is not None else None,
+    )
+
+
+def ensure(spec: TrainingSpec, events: EventStream) -> tuple[TokenStore, TokenStore | None]:
+    """The job's stores, built where the spec names them unless they are whole already. Processes on one
+    machine that ask at once build each store once (a file lock), the others wait and open it."""
+    assert spec.train_store is not None, "a spec to train from names its stores (see launch.with_stores)"
+    train_dir = Path(spec.train_store)
+    train_dir.parent.mkdir(parents=True, exist_ok=True)
+    events.emit("phase", name="tokenizing")
+    with _locked(train_dir):
+        if not datastore.is_whole(train_dir):
+            shutil.rmtree(train_dir, ignore_errors=True)
+            tokenizer = _tokenizer(spec, train_dir)
+            _build(
+                Path(spec.train_file),
+                spec.train_format,
+                train_dir,
+                train_dir.name,
+                tokenizer,
+                spec,
+                events,
+                what="training",
+                total=spec.train_rows,
+                has_tokenizer=spec.model_path is None,
+            )
+        else:
+            tokenizer = None
+    train = TokenStore(train_dir)
+    valid = None
+    if spec.validation_store is not None and spec.validation_file is not None:
+        valid_dir = Path(spec.validation_store)
+        with _locked(valid_dir):
+            if not datastore.is_whole(valid_dir):
+                shutil.rmtree(valid_dir, ignore_errors=True)
+                tokenizer = tokenizer or load_tokenizer(spec, train)
+                _build(
+                    Path(spec.validation_file),
+                    spec.validation_format,
+                    valid_dir,
+                    valid_dir.name,
+                    tokenizer,
+                    spec,
+                    events,
+                    what="validation",
+                    total=None,
+                    has_tokenizer=False,
+                )
+        valid = TokenStore(valid_dir)
+    return train, valid
+
+
+def load_tokenizer(spec: TrainingSpec, train: TokenStore) -> Any:
+    from transformers import AutoTokenizer
+
+    source = train.tokenizer_dir or spec.model_path
+    return AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=False)
+
+
+class _locked:
+    """An exclusive lock on `<store>.lock` for the block."""
+
+    def __init__(self, store: Path) -> None:
+        self.path = store.with_name(store.name + ".lock")
+
+    def __enter__(self) -> None:
+        self.fh = self.path.open("w")
+        fcntl.flock(self.fh, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fh, fcntl.LOCK_UN)
+        self.fh.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer_core.prepare", description=__doc__)
+    parser.add_argument("spec", type=Path, help="the job's spec.json")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"  # batches are encoded on every core
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    events = EventStream.take_stdout()
+    try:
+        ensure(TrainingSpec.load(args.spec), events)
+    except Exception as exc:
+        events.emit(
+            "error", code=type(exc).__name__, message=f"tokenizing failed: {type(exc).__name__}: {exc}"
+        )
+        logging.exception("prepare failed")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
