@@ -108,6 +108,7 @@ class JobCreate(BaseModel):
     optim: Optim = "adamw_torch"
     precision: Precision = "fp32"
     checkpoint_every_steps: Annotated[int, Field(ge=1)] | None = None
+    keep_checkpoints: Annotated[int, Field(ge=1, le=100)] = 3
     priority: Annotated[int, Field(ge=-100, le=100)] = 0
     distributed: Distributed | None = None
     hyperparameter_search: HyperparameterSearch | None = None
@@ -164,6 +165,7 @@ class FineTuningJob(BaseModel):
     backend_reason: str | None
     optim: str
     precision: str
+    keep_checkpoints: int
     priority: int
     attempt: int
     progress: Progress
@@ -201,6 +203,7 @@ class FineTuningJob(BaseModel):
             backend_reason=job.backend_reason,
             optim=spec.optim,
             precision=spec.precision,
+            keep_checkpoints=spec.keep_checkpoints,
             priority=job.priority,
             attempt=job.attempt,
             progress=Progress(step=job.step, total_steps=job.total_steps),

@@ -32,6 +32,7 @@ class JobSpec(BaseModel):
     optim: Optim = "adamw_torch"
     precision: Precision = "fp32"
     checkpoint_every_steps: int | None = None
+    keep_checkpoints: int = 3  # the last N checkpoints are kept in storage, and the best one
     distributed: Distributed = Distributed()
     # As the user asked, with OpenAI's "auto" values shown resolved (the job's `hyperparameters` field)...
     hyperparameters: Hyperparameters

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from functools import lru_cache
@@ -49,6 +50,7 @@ class Settings(BaseSettings):
 
     max_upload_bytes: int = 512 * MiB
     max_rows: int = 2_000_000
+    max_row_chars: int = Field(default=1 * MiB, ge=1024)  # one JSONL line, or one line of a CSV file
     max_steps: int = 1_000_000
     max_concurrent_jobs: int = Field(default=16, ge=1, description="Unfinished jobs per tenant at once.")
     idempotency_key_hours: float = 24.0
@@ -69,6 +71,12 @@ class Settings(BaseSettings):
     node_devices: int | None = Field(default=None, ge=1, le=1024)
     node_address: str = "127.0.0.1"
     distributed_timeout_seconds: int = Field(default=120, ge=10)  # a rank that stops answering fails the rest
+
+    # The trainer's private memory (RssAnon of its whole process tree): past it the worker kills the trainer
+    # and the job fails with `out_of_memory`. Unset: 75% of this node's memory.
+    trainer_memory_limit: int | None = Field(default=None, ge=64 * MiB)
+    # Tokenized stores cached on this node's disk (least recently used go first past the limit).
+    cache_max_bytes: int = Field(default=20 * 1024 * MiB, ge=0)
 
     event_flush_seconds: float = 0.5
     event_batch_size: int = 200
@@ -111,6 +119,17 @@ class Settings(BaseSettings):
     def job_work_dir(self) -> Path:
         assert self.work_dir is not None
         return self.work_dir
+
+    @property
+    def cache_dir(self) -> Path:
+        """This node's cache of tokenized stores, beside the attempts' work directories."""
+        return self.job_work_dir / "cache"
+
+    @property
+    def trainer_memory_bytes(self) -> int:
+        if self.trainer_memory_limit is not None:
+            return self.trainer_memory_limit
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.75)
 
 
 @lru_cache

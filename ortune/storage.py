@@ -10,6 +10,7 @@ import hashlib
 import os
 import re
 import shutil
+import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,14 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: fh.read(CHUNK), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def pack_dir(directory: Path, archive: Path) -> tuple[int, str]:
+    """Tar `directory` (uncompressed: model weights and token ids barely compress) into `archive`; its size
+    and sha256."""
+    with tarfile.open(archive, "w") as tar:
+        tar.add(directory, arcname=directory.name)
+    return archive.stat().st_size, sha256_file(archive)
 
 
 class ObjectStore(Protocol):

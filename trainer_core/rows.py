@@ -83,35 +83,80 @@ def _check_values(kind: str, row: dict[str, Any]) -> None:
             raise RowError(f"'{name}' must be a non-empty string")
 
 
-def iter_rows(fh: IO[str], fmt: str) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
-    """Yield (line number, row or the error for that line) without holding the file in memory."""
-    if fmt == "jsonl":
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield lineno, RowError(f"invalid JSON ({exc.msg} at column {exc.colno})")
-                continue
-            yield lineno, obj if isinstance(obj, dict) else RowError("a row must be a JSON object")
+class LineTooLong(RowError):
+    pass
+
+
+def _lines(fh: IO[str], max_chars: int | None) -> Iterator[str]:
+    """The file's lines; a line over `max_chars` raises LineTooLong after at most `max_chars` are read, so a
+    file of one huge line never sits in memory whole."""
+    if max_chars is None:
+        yield from fh
         return
-    reader = csv.DictReader(fh)
-    if not reader.fieldnames:
-        yield 1, RowError("empty CSV: the first line must be a header")
-        return
-    for row in reader:
-        if None in row:
-            yield reader.line_num, RowError("more values than header columns")
-            continue
-        clean: dict[str, Any] = {k: (v if v != "" else None) for k, v in row.items()}
-        if "messages" in clean and isinstance(clean["messages"], str):
-            try:
-                clean["messages"] = json.loads(clean["messages"])
-            except json.JSONDecodeError:
-                yield reader.line_num, RowError("'messages' must hold a JSON list")
-                continue
-        yield reader.line_num, clean
+    while line := fh.readline(max_chars + 1):
+        if len(line) > max_chars and not line.endswith("\n"):
+            raise LineTooLong(f"longer than {max_chars:,} characters (limit max_row_chars)")
+        yield line
+
+
+def iter_rows(
+    fh: IO[str], fmt: str, *, max_chars: int | None = None
+) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+    """Yield (line number, row or the error for that line) without holding the file in memory. A line
+    longer than `max_chars` ends the file's rows with its error: nothing after it can be read reliably."""
+    lines = _lines(fh, max_chars)
+    lineno, counter = 0, _Counting()
+    try:
+        if fmt == "jsonl":
+            for lineno, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                yield lineno, _json_row(line)
+            return
+        reader = csv.DictReader(counter(lines))
+        if not reader.fieldnames:
+            yield 1, RowError("empty CSV: the first line must be a header")
+            return
+        for row in reader:
+            yield reader.line_num, _csv_row(row)
+    except LineTooLong as exc:
+        yield (lineno if fmt == "jsonl" else counter.last) + 1, exc
+    except csv.Error as exc:  # a field over the csv module's limit, a NUL byte, ...
+        yield counter.last, RowError(f"unreadable CSV: {exc}")
+
+
+def _json_row(line: str) -> dict[str, Any] | RowError:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return RowError(f"invalid JSON ({exc.msg} at column {exc.colno})")
+    except RecursionError:
+        return RowError("JSON nested too deeply")
+    return obj if isinstance(obj, dict) else RowError("a row must be a JSON object")
+
+
+def _csv_row(row: dict[str | Any, Any]) -> dict[str, Any] | RowError:
+    if None in row:
+        return RowError("more values than header columns")
+    clean: dict[str, Any] = {k: (v if v != "" else None) for k, v in row.items()}
+    if "messages" in clean and isinstance(clean["messages"], str):
+        try:
+            clean["messages"] = json.loads(clean["messages"])
+        except json.JSONDecodeError:
+            return RowError("'messages' must hold a JSON list")
+    return clean
+
+
+class _Counting:
+    """Counts the lines handed to the csv reader, to name the line a reading error is on."""
+
+    def __init__(self) -> None:
+        self.last = 0
+
+    def __call__(self, lines: Iterator[str]) -> Iterator[str]:
+        for line in lines:
+            self.last += 1
+            yield line
 
 
 @dataclass
@@ -176,38 +221,29 @@ def check_rows(
     return report
 
 
-def check_file(path: Path, fmt: str, *, max_rows: int, task: str | None = None) -> Report:
+def check_file(
+    path: Path, fmt: str, *, max_rows: int, task: str | None = None, max_chars: int | None = None
+) -> Report:
     try:
         with path.open(encoding="utf-8", newline="") as fh:
-            return check_rows(iter_rows(fh, fmt), max_rows=max_rows, task=task)
+            return check_rows(iter_rows(fh, fmt, max_chars=max_chars), max_rows=max_rows, task=task)
     except UnicodeDecodeError as exc:
         report = Report()
         report.fail(f"not UTF-8 text (byte {exc.start}): upload JSONL or CSV")
         return report
 
 
-def load_rows(path: Path, fmt: str) -> list[dict[str, Any]]:
-    """Rows of a file already checked at upload; a bad row here is a bug, so it raises."""
-    out: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8", newline="") as fh:
-        for lineno, row in iter_rows(fh, fmt):
-            if isinstance(row, RowError):
-                raise RowError(f"{path.name} line {lineno}: {row}")
-            out.append(row)
-    return out
-
-
 __all__ = [
     "FORMATS",
     "KINDS",
     "TASK_KINDS",
+    "LineTooLong",
     "Report",
     "RowError",
     "check_file",
     "check_rows",
     "file_format",
     "iter_rows",
-    "load_rows",
     "required_columns",
     "row_kind",
 ]

@@ -31,12 +31,11 @@ from ortune.db.repositories import (
 )
 from ortune.db.session import session_scope
 from ortune.settings import Settings
-from ortune.storage import ObjectStore
+from ortune.storage import ObjectStore, pack_dir
 from trainer_core.contract import log_tail
-from trainer_core.spec import TrainingSpec
-from worker import attempt
+from worker import attempt, runner
 from worker.attempt import WORKER, Claimed, Heartbeat, Outcome
-from worker.staging import pack, stage, store_of
+from worker.staging import Staged, stage, store_of
 from worker.trainer_process import TrainerProcess, launch, signal_group
 
 log = logging.getLogger(__name__)
@@ -112,7 +111,7 @@ def run_rank(settings: Settings, task: dict[str, Any]) -> str:
     workdir = settings.job_work_dir / job.id / f"attempt-{attempt_no}" / f"node-{rank}"
     store = store_of(settings)
     try:
-        spec = stage(settings, store, job, loaded.train, loaded.valid, workdir, lead=rank == 0)
+        staged = stage(settings, store, job, loaded.train, loaded.valid, workdir, lead=rank == 0)
     except Exception as exc:  # rank 0 aborts the attempt when it sees this (or it fails it itself)
         attempt.release(
             settings, job, settings.node_name, STAGING_FAILED, f"staging failed: {type(exc).__name__}: {exc}"
@@ -122,33 +121,41 @@ def run_rank(settings: Settings, task: dict[str, Any]) -> str:
             return "failed while staging"
         raise
     command = _torchrun(settings, task, workdir / "spec.json")
-    if rank == 0:
-        return _lead(settings, store, job, spec, command, task)
-    return _follow(settings, job, workdir, command, task)
+    try:
+        if rank == 0:
+            return _lead(settings, store, job, staged, command, task)
+        return _follow(settings, job, workdir, command, task)
+    finally:
+        runner.clear(settings, workdir, staged)
 
 
 def _lead(
     settings: Settings,
     store: ObjectStore,
     job: Job,
-    spec: TrainingSpec,
+    staged: Staged,
     command: list[str],
     task: dict[str, Any],
 ) -> str:
     heartbeat = Heartbeat(settings, job.id, job.attempt)
     heartbeat.start()
     try:
+        outcome = runner.tokenize(settings, store, job, staged)  # the other nodes wait for its stores
+        if outcome.status != JobStatus.running:
+            raise _Ended(outcome)
         process = TrainerProcess(
             settings,
             store,
             job,
-            spec,
+            staged.spec,
             command=command,
             env=_env(settings, task),
             abort_when=lambda: _another_node_failed(settings, job),
             stop=_stop_ranks,
         )
         outcome = process.run()
+    except _Ended as ended:
+        outcome = ended.outcome
     except Exception as exc:
         log.exception("job %s failed on rank 0", job.id)
         outcome = Outcome.worker_error(exc)
@@ -160,6 +167,11 @@ def _lead(
         outcome = Outcome(JobStatus.failed, _first_failure(settings, job, outcome.error))
     attempt.finish(settings, job, outcome)
     return outcome.status.value if outcome.status else "superseded"
+
+
+class _Ended(Exception):
+    def __init__(self, outcome: Outcome) -> None:
+        self.outcome = outcome
 
 
 def _stop_ranks(proc: subprocess.Popen[str]) -> None:
@@ -216,7 +228,7 @@ def _upload_parts(settings: Settings, store: ObjectStore, job: Job, workdir: Pat
             continue  # rank 0 is still saving (or uploading) it
         key = f"jobs/{job.id}/checkpoints/step-{step}.node-{rank}.tar"
         archive = workdir / f"part-{step}.tar"
-        pack(path, archive)
+        pack_dir(path, archive)
         store.put_path(key, archive)
         archive.unlink()
         with session_scope(settings.database_url) as session:

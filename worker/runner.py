@@ -1,17 +1,24 @@
-"""Run one attempt of a single-process job: claim it, stage data, model and resume point, run the trainer,
-write the outcome back (worker/attempt.py, staging.py, trainer_process.py). A multi-process job's nodes run
-theirs through worker/distributed.py."""
+"""Run one attempt of a single-process job: claim it, stage its stores, model and resume point, tokenize what
+no one has yet, run the trainer, write the outcome back and clear the attempt's disk (worker/attempt.py,
+staging.py, stores.py, trainer_process.py). A multi-process job's nodes run theirs through
+worker/distributed.py."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
 import sys
+from pathlib import Path
 
-from ortune.db.models import JobStatus
+from ortune.db.models import Job, JobStatus
+from ortune.db.repositories import EventRepository
+from ortune.db.session import session_scope
 from ortune.settings import Settings
-from worker import attempt
+from ortune.storage import ObjectStore
+from worker import attempt, stores
 from worker.attempt import Heartbeat, Outcome
-from worker.staging import stage, store_of
+from worker.staging import Staged, attempt_dir, stage, store_of
 from worker.trainer_process import TrainerProcess
 
 log = logging.getLogger(__name__)
@@ -24,10 +31,13 @@ def run(settings: Settings, job_id: str) -> str:
     job = claimed.job
     heartbeat = Heartbeat(settings, job.id, job.attempt)
     heartbeat.start()
+    staged: Staged | None = None
     try:
         store = store_of(settings)
-        spec = stage(settings, store, job, claimed.train, claimed.valid)
-        outcome = TrainerProcess(settings, store, job, spec).run()
+        staged = stage(settings, store, job, claimed.train, claimed.valid)
+        outcome = tokenize(settings, store, job, staged)
+        if outcome.status == JobStatus.running:
+            outcome = TrainerProcess(settings, store, job, staged.spec).run()
     except Exception as exc:
         log.exception("job %s failed in the worker", job_id)
         outcome = Outcome.worker_error(exc)
@@ -35,7 +45,46 @@ def run(settings: Settings, job_id: str) -> str:
         heartbeat.stop()
     attempt.finish(settings, job, outcome)
     attempt.release(settings, job, settings.node_name, 0 if outcome.status == JobStatus.succeeded else 1)
+    clear(settings, attempt_dir(settings, job), staged)
     return outcome.status.value if outcome.status else "superseded"
+
+
+def tokenize(
+    settings: Settings, store: ObjectStore, job: Job, staged: Staged, env: dict[str, str] | None = None
+) -> Outcome:
+    """Build the stores nobody has made yet (`trainer_core.prepare`, its progress relayed) and keep them in
+    object storage for every later attempt, trial, rank and job. `running` when training can go on."""
+    if not staged.to_build:
+        return Outcome(JobStatus.running)
+    outcome = TrainerProcess(settings, store, job, staged.spec, env=env, prepare=True).run()
+    if outcome.status != JobStatus.running:
+        return outcome
+    workdir = Path(staged.spec.output_dir).parent
+    for built in staged.to_build:
+        size = stores.keep(store, built, workdir)
+        with session_scope(settings.database_url) as session:
+            EventRepository(session).add(
+                job.id,
+                f"Stored the tokenized {built.file.filename} for later attempts and jobs ({size:,} bytes)",
+                data={"store": built.key, "bytes": size, "phase": "tokenizing"},
+            )
+    return outcome
+
+
+def clear(settings: Settings, workdir: Path, staged: Staged | None) -> None:
+    """The attempt's files are stored (or the attempt is over): free the disk, and keep the node's cache of
+    stores within its bound."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    for parent in workdir.parents:  # the job's folder too, once no attempt or node of it is left
+        if parent == settings.job_work_dir or not parent.is_relative_to(settings.job_work_dir):
+            break
+        with contextlib.suppress(OSError):
+            parent.rmdir()
+    in_use = {
+        Path(p) for p in ((staged.spec.train_store, staged.spec.validation_store) if staged else ()) if p
+    }
+    for key in stores.evict(settings, in_use):
+        log.info("evicted tokenized store %s from this node's cache", key)
 
 
 if __name__ == "__main__":  # run one job by hand: python -m worker.runner ftjob-...

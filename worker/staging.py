@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import os
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from ortune.db.models import File, Job
-from ortune.db.repositories import CheckpointRepository, EventRepository
+from ortune.db.models import File, Job, JobStatus
+from ortune.db.repositories import CheckpointRepository, EventRepository, JobRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
-from ortune.storage import ObjectStore, open_store, sha256_file
-from trainer_core import registry, rows
+from ortune.storage import ObjectStore, open_store
+from trainer_core import datastore, registry, rows
 from trainer_core.spec import TrainingSpec
+from worker.stores import Store, fetch, stores_of, wait_for
+
+STORE_WAIT_S = 1800.0  # how long a follower node waits for rank 0's node to tokenize
 
 
 def store_of(settings: Settings) -> ObjectStore:
@@ -25,19 +29,18 @@ def store_of(settings: Settings) -> ObjectStore:
     )
 
 
-def pack(directory: Path, archive: Path) -> tuple[int, str]:
-    """Tar `directory` (uncompressed: model weights barely compress) into `archive`; its size and sha256."""
-    with tarfile.open(archive, "w") as tar:
-        tar.add(directory, arcname=directory.name)
-    return archive.stat().st_size, sha256_file(archive)
-
-
 def trainer_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def attempt_dir(settings: Settings, job: Job) -> Path:
     return settings.job_work_dir / job.id / f"attempt-{job.attempt}"
+
+
+@dataclass
+class Staged:
+    spec: TrainingSpec
+    to_build: list[Store]  # stores nobody has made yet: `trainer_core.prepare` builds them first
 
 
 def stage(
@@ -49,16 +52,21 @@ def stage(
     workdir: Path | None = None,
     *,
     lead: bool = True,
-) -> TrainingSpec:
-    """Download data, model and resume point into the attempt's folder and write its spec.json. `lead` is
-    False on the nodes of a multi-process job other than rank 0's, which speaks for the job."""
+) -> Staged:
+    """Stage the attempt in its folder: the tokenized stores (from this node's cache or object storage; the
+    raw files only where a store must be built), the model and the resume point, and its spec.json. `lead`
+    is False on the nodes of a multi-process job other than rank 0's: rank 0's node speaks for the job and
+    tokenizes, the others wait for its stores."""
     workdir = workdir or attempt_dir(settings, job)
     data = workdir / "data"
+    stores = [s for s in stores_of(settings, job, train, valid) if s is not None]
+    to_build = [s for s in stores if not _found(settings, store, job, s, lead=lead)]
     fmt = rows.file_format(train.object_key) or "jsonl"
-    store.get_to_path(train.object_key, data / f"train.{fmt}")
-    vfmt = rows.file_format(valid.object_key) or "jsonl" if valid else "jsonl"
-    if valid is not None:
-        store.get_to_path(valid.object_key, data / f"valid.{vfmt}")
+    vfmt = (rows.file_format(valid.object_key) or "jsonl") if valid else "jsonl"
+    if to_build:
+        store.get_to_path(train.object_key, data / f"train.{fmt}")  # a built tokenizer learns from it
+        if valid is not None:
+            store.get_to_path(valid.object_key, data / f"valid.{vfmt}")
     model = registry.resolve(job.model, settings.models_dir)
     resume_from = resume_point(settings, store, job, workdir, lead=lead)
     spec = TrainingSpec(
@@ -69,16 +77,48 @@ def stage(
         train_format=fmt,
         validation_file=str(data / f"valid.{vfmt}") if valid else None,
         validation_format=vfmt,
+        train_store=str(stores[0].path),
+        validation_store=str(stores[1].path) if valid else None,
+        train_rows=train.row_count,
         output_dir=str(workdir / "out"),
         seed=job.seed,
         resume_from=resume_from,
         distributed_timeout_seconds=settings.distributed_timeout_seconds,
         **job.spec.training_fields(),
     )
+    workdir.mkdir(parents=True, exist_ok=True)
     spec.dump(workdir / "spec.json")
     if lead:
         store.put_path(f"jobs/{job.id}/spec.json", workdir / "spec.json")
-    return spec
+    return Staged(spec, to_build)
+
+
+def _found(settings: Settings, store: ObjectStore, job: Job, wanted: Store, *, lead: bool) -> bool:
+    """Whether `wanted` is whole on this node now (fetched if need be); a follower node waits for rank 0's."""
+    where = "this node's cache" if datastore.is_whole(wanted.path) else "object storage"
+    found = fetch(store, wanted) or (
+        not lead and wait_for(store, wanted, STORE_WAIT_S, lambda: _attempt_lives(settings, job))
+    )
+    if found and lead:
+        meta = datastore.Meta.read(wanted.path)
+        with session_scope(settings.database_url) as session:
+            EventRepository(session).add(
+                job.id,
+                f"Tokenized data reused from {where}: {meta.rows:,} rows of {wanted.file.filename} "
+                f"(store {wanted.key[:12]})",
+                data={"store": wanted.key, "reused_from": where, "rows": meta.rows, "phase": "tokenizing"},
+            )
+    elif not found and not lead:
+        raise RuntimeError(
+            f"rank 0's node did not store the tokenized {wanted.file.id} in {STORE_WAIT_S:.0f}s"
+        )
+    return found
+
+
+def _attempt_lives(settings: Settings, job: Job) -> bool:
+    with session_scope(settings.database_url) as session:
+        status = JobRepository(session).status(job.id, attempt=job.attempt)
+    return status in (JobStatus.running, JobStatus.paused)
 
 
 def resume_point(

@@ -23,12 +23,14 @@ from ortune.db.models import Artifact, Checkpoint, Job, JobStatus
 from ortune.db.repositories import ArtifactRepository, CheckpointRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
-from ortune.storage import ObjectStore
+from ortune.storage import ObjectStore, pack_dir
 from trainer_core.contract import EXIT_STOPPED, die_with_parent, log_tail
 from trainer_core.spec import TrainingSpec
+from worker import retention
 from worker.attempt import DRAINING, WORKER, Outcome
+from worker.memory import MemoryWatch
 from worker.relay import Relay, reader
-from worker.staging import pack, trainer_env
+from worker.staging import trainer_env
 
 
 def signal_group(proc: subprocess.Popen[Any], sig: signal.Signals) -> None:
@@ -54,8 +56,13 @@ def launch(
     )
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
 class TrainerProcess:
-    """One attempt's subprocess and the handling of what it reports."""
+    """One attempt's subprocess and the handling of what it reports: the trainer, or before it
+    (`prepare=True`) `trainer_core.prepare` tokenizing the job's files."""
 
     def __init__(
         self,
@@ -67,15 +74,16 @@ class TrainerProcess:
         env: dict[str, str] | None = None,
         abort_when: Callable[[], str | None] | None = None,
         stop: Callable[[subprocess.Popen[str]], None] | None = None,
+        *,
+        prepare: bool = False,
     ) -> None:
         self.settings, self.store, self.job, self.spec = settings, store, job, spec
         self.workdir = Path(spec.output_dir).parent
-        self.command = command or [
-            settings.trainer_python,
-            "-m",
-            "trainer_core.launch",
-            str(self.workdir / "spec.json"),
-        ]
+        self.prepare = prepare
+        entry = "trainer_core.prepare" if prepare else "trainer_core.launch"
+        self.command = command or [settings.trainer_python, "-m", entry, str(self.workdir / "spec.json")]
+        self.phase = "tokenizing" if prepare else "starting"
+        self.peak_memory = 0
         self.extra_env = env or {}
         # Checked at every flush; a reason stops the trainer and fails the attempt (another node failed).
         self.abort_when = abort_when
@@ -89,27 +97,53 @@ class TrainerProcess:
         self.stopped_at: int | None = None  # the step the trainer stopped at on request, once it says so
 
     def run(self) -> Outcome:
-        log_path = self.workdir / "trainer.log"
+        log_path = self.workdir / ("prepare.log" if self.prepare else "trainer.log")
+        limit = self.settings.trainer_memory_bytes
         with log_path.open("w") as log_file:
             proc = launch(
                 self.command, cwd=self.workdir, env=self.extra_env, stdout=subprocess.PIPE, stderr=log_file
             )
+            watch = MemoryWatch(proc.pid, limit)
+            watch.start()
             assert proc.stdout is not None
             events: queue.Queue[dict[str, Any] | None] = queue.Queue()
             thread = reader(proc.stdout, events, log_file)
             stopped = self._pump(proc, events)
             thread.join(timeout=5)
             code = proc.wait()
+            self.peak_memory = watch.stop()
+        self._report_memory(watch.exceeded, limit)
         status = self.relay.flush()
         if stopped is not None:
             return stopped
         return self._outcome(status, code, log_path)
+
+    def _report_memory(self, exceeded: bool, limit: int) -> None:
+        who, peak = "tokenizer" if self.prepare else "trainer", self.peak_memory
+        figures = {"peak_bytes": peak, "limit_bytes": limit, "phase": self.phase}
+        if not exceeded:
+            self.relay.message(
+                f"Peak private memory of the {who}: {_mib(peak)} (limit {_mib(limit)})", data=figures
+            )
+            return
+        self.error = {
+            "code": "out_of_memory",
+            "message": f"the {who} went over its memory limit of {_mib(limit)} (peak {_mib(peak)}) while "
+            f"{self.phase}; raise ORTUNE_TRAINER_MEMORY_LIMIT, or lower batch_size or max_seq_length",
+            **figures,
+        }
 
     def _outcome(self, status: JobStatus | None, code: int, log_path: Path) -> Outcome:
         if status == JobStatus.cancelled:
             return Outcome(JobStatus.cancelled)
         if status != JobStatus.running and status != JobStatus.paused:
             return Outcome(None)
+        if self.error is not None and self.error["code"] == "out_of_memory":
+            return Outcome(JobStatus.failed, self.error)
+        if self.prepare and code == 0:
+            return Outcome(JobStatus.running)  # the stores are built: go on to train
+        if self.prepare and self.drained and status == JobStatus.running:
+            return Outcome(JobStatus.queued)
         if code == 0 and self.result is not None and {"pytorch", "onnx"} <= self.artifacts:
             return Outcome(JobStatus.succeeded)  # finished before a pause could stop it
         stopped_here = code == EXIT_STOPPED or self.stopped_at is not None
@@ -120,8 +154,17 @@ class TrainerProcess:
         if self.error is not None:
             return Outcome(JobStatus.failed, self.error)
         tail = log_tail(log_path, lines=6)
+        what = "tokenizing" if self.prepare else "training"
+        if code < 0:
+            name = signal.Signals(-code).name
+            oom = " (the kernel's OOM killer sends SIGKILL when memory runs out)" if name == "SIGKILL" else ""
+            return Outcome.failed(
+                "trainer_killed",
+                f"the {what} process was killed by {name}{oom} while {self.phase}; last log lines: {tail}",
+            )
         return Outcome.failed(
-            "trainer_crashed", f"the training process exited with code {code}; last log lines: {tail}"
+            "trainer_crashed",
+            f"the {what} process exited with code {code} while {self.phase}; last log lines: {tail}",
         )
 
     def _pump(
@@ -178,7 +221,13 @@ class TrainerProcess:
 
     def _handle(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
-        if kind == "checkpoint":
+        if kind == "phase":
+            self.phase = str(event.get("name"))
+        elif kind in ("metrics", "progress"):
+            if self.phase.startswith("training") and event.get("step"):
+                self.phase = f"training step {event['step']}"
+            self.relay.add(event)
+        elif kind == "checkpoint":
             self._upload_checkpoint(event)
         elif kind == "artifact":
             self._upload_artifact(event)
@@ -208,7 +257,7 @@ class TrainerProcess:
 
     def _store_dir(self, path: Path, name: str, key: str) -> tuple[int, str]:
         archive = self.workdir / f"{name}.tar"
-        size, digest = pack(path, archive)
+        size, digest = pack_dir(path, archive)
         self.store.put_path(key, archive)
         archive.unlink()
         return size, digest
@@ -237,6 +286,8 @@ class TrainerProcess:
                 )
             )
         self.relay.message(f"Checkpoint at step {step} stored ({size:,} bytes)", data={"step": step})
+        self.relay.flush()  # the step's metrics are in before retention reads them
+        retention.apply(self.settings, self.store, self.job)
 
     def _upload_artifact(self, event: dict[str, Any]) -> None:
         fmt, path = str(event["format"]), Path(str(event["path"]))

@@ -58,7 +58,14 @@ async def create(
         purpose, fmt, task = _validate_form(upload)
         assert upload.path is not None and upload.filename is not None
         path: Path = upload.path
-        report = await asyncio.to_thread(rows.check_file, path, fmt, max_rows=settings.max_rows, task=task)
+        report = await asyncio.to_thread(
+            rows.check_file,
+            path,
+            fmt,
+            max_rows=settings.max_rows,
+            task=task,
+            max_chars=settings.max_row_chars,
+        )
         file_id = file_id or new_id("file")
         key = f"files/{file_id}.{fmt}"
         await asyncio.to_thread(store.put_path, key, path)

@@ -109,6 +109,7 @@ def create(
         optim=req.optim,
         precision=req.precision,
         checkpoint_every_steps=req.checkpoint_every_steps,
+        keep_checkpoints=req.keep_checkpoints,
         distributed=dist,
         hyperparameter_search=req.hyperparameter_search,
     )

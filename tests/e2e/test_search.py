@@ -93,6 +93,12 @@ def test_search_runs_trials_as_jobs_and_keeps_the_best(service: Client, tmp_path
     assert digest == next(a["sha256"] for a in want if a["format"] == "pytorch")
     messages = [e["message"] for e in events(service, parent["id"])]
     assert sum(m.startswith("Started trial") for m in messages) == 3
+    # The first trial tokenized the files; the others reused its stores instead of tokenizing again.
+    for n, trial in enumerate(trials):
+        said = [e["message"] for e in events(service, trial["id"])]
+        tokenized = [m for m in said if m.startswith("Tokenized ") and "reused" not in m]
+        reused = [m for m in said if m.startswith("Tokenized data reused")]
+        assert (len(tokenized), len(reused)) == ((2, 0) if n == 0 else (0, 2)), said
     assert any(m.startswith("The search has completed: best trial " + best) for m in messages)
 
 

@@ -38,6 +38,10 @@ class CheckpointRepository(Repository):
         self.session.flush()
         return True
 
+    def delete(self, checkpoint: Checkpoint) -> None:
+        self.session.delete(checkpoint)
+        self.session.flush()
+
     def latest(self, job_id: str) -> Checkpoint | None:
         stmt = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())
         return self.session.scalars(stmt.limit(1)).first()
