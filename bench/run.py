@@ -13,6 +13,7 @@ BENCHMARKS = [
     "bench.artifact_io",
     "bench.metrics_ingest",
     "bench.reliability",
+    "bench.data_scale",
 ]
 
 

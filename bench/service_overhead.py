@@ -35,6 +35,7 @@ from ortune.db.models import Job, JobEvent
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from tests.support import DEMO
+from worker.staging import store_of
 
 DATA = DEMO / "sentiment_train.jsonl"
 TARGET_LATENCY = {"embedded": 2.0, "production": 1.0}
@@ -104,7 +105,9 @@ def through_service(
         ]
         pickup = _ts(row.started_at) - _ts(row.created_at)
     f = _figures(events)
-    spec = settings.job_work_dir / job["id"] / "attempt-1" / "spec.json"
+    # the spec the worker staged (its attempt folder is gone; the stores it names stay in the node's cache)
+    spec = settings.data_dir / "specs" / f"{job['id']}.json"
+    store_of(settings).get_to_path(f"jobs/{job['id']}/spec.json", spec)
     return {
         "wall_s": wall,
         "samples_per_s": f["samples_per_s"],

@@ -91,6 +91,7 @@ def _build(
 ) -> None:
     writer = StoreWriter(store, key, spec.task)
     t0 = last = time.monotonic()
+    cpu0 = time.process_time()
     with path.open(encoding="utf-8", newline="") as fh:
         stream = (row for _, row in rows.iter_rows(fh, fmt) if not isinstance(row, rows.RowError))
         for batch in datastore.batched(stream, BATCH):
@@ -109,6 +110,7 @@ def _build(
         rows=meta.rows,
         tokens=meta.tokens,
         seconds=round(took, 3),
+        cpu_seconds=round(time.process_time() - cpu0, 3),  # over `seconds`: how many cores it kept busy
         store=key,
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from ortune.settings import Settings
@@ -121,6 +122,45 @@ def test_row_limit(settings: Settings, tmp_path: Path) -> None:
     with TestClient(create_app(settings.model_copy(update={"max_rows": 3}))) as client:
         body = upload(client, write_jsonl(tmp_path / "r.jsonl", [{"text": "a", "label": "x"}] * 5)).json()
     assert body["status"] == "error" and "line 4: more than 3 rows (limit max_rows)" in body["status_details"]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_a_row_longer_than_the_limit_is_refused_with_its_line(
+    settings: Settings, tmp_path: Path, fmt: str
+) -> None:
+    from api.main import create_app
+
+    long_text = "word " * 1000  # 5,000 characters, over a 2,048 limit
+    if fmt == "jsonl":
+        path = write_jsonl(
+            tmp_path / "long.jsonl", [{"text": "a", "label": "x"}] * 2 + [{"text": long_text, "label": "y"}]
+        )
+    else:
+        path = tmp_path / "long.csv"
+        path.write_text(f"text,label\na,x\nb,x\n{long_text},y\n")
+    with TestClient(create_app(settings.model_copy(update={"max_row_chars": 2048}))) as client:
+        body = upload(client, path).json()
+    assert body["status"] == "error", body
+    assert (
+        f"line {3 if fmt == 'jsonl' else 4}: longer than 2,048 characters (limit max_row_chars)"
+        in body["status_details"]
+    )
+
+
+def test_a_deeply_nested_row_and_an_oversized_csv_field_are_errors_not_500(
+    client: TestClient, tmp_path: Path
+) -> None:
+    nested = tmp_path / "nested.jsonl"
+    nested.write_text('{"text": "a", "label": "x"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    body = upload(client, nested).json()
+    assert body["status"] == "error" and "line 2: JSON nested too deeply" in body["status_details"]
+    field = tmp_path / "field.csv"
+    field.write_text("text,label\n" + '"' + "x" * 200_000 + '",y\n')  # past the csv module's field limit
+    body = upload(client, field).json()
+    assert (
+        body["status"] == "error"
+        and "line 2: unreadable CSV: field larger than field limit" in body["status_details"]
+    )
 
 
 def test_not_utf8(client: TestClient, tmp_path: Path) -> None:
