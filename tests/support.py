@@ -4,7 +4,9 @@ an event pager and the wait helpers. Fixtures live in conftest.py; real servers 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,7 +24,7 @@ from ortune.db.models import File, FileStatus
 from ortune.jobspec import JobSpec
 from ortune.settings import Settings
 from tests import services
-from trainer_core.spec import Distributed, Hyperparameters
+from trainer_core.spec import Distributed, Hyperparameters, TrainingSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "ortune" / "demo_data"
@@ -81,6 +83,23 @@ def job_spec(
     hp = Hyperparameters(n_epochs=1, batch_size=8, learning_rate_multiplier=1.0)
     fields.setdefault("labels", ["negative", "positive"] if task == "sequence-classification" else [])
     return JobSpec.build(hp, 64, task=task, distributed=distributed or Distributed(), **fields)
+
+
+def launch_trainer(
+    spec: TrainingSpec, path: Path, env: dict[str, str] | None = None
+) -> tuple[int, list[dict[str, Any]], str]:
+    """Write `spec` to `path` and run `python -m trainer_core.launch` on it by hand: the exit code, the events
+    (every stdout line is one) and the end of stderr."""
+    spec.dump(path)
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer_core.launch", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
+    return result.returncode, [json.loads(line) for line in result.stdout.splitlines()], result.stderr[-3000:]
 
 
 def submit(

@@ -5,15 +5,13 @@ trains on the batches an uninterrupted run would have."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.support import ROOT, rows, write_jsonl
+from tests.support import launch_trainer, rows, write_jsonl
 from trainer_core import datastore, prepare
 from trainer_core.data import BucketSampler
 from trainer_core.datastore import IGNORE
@@ -129,16 +127,8 @@ def test_a_run_resumed_mid_epoch_trains_on_the_batches_of_an_uninterrupted_one(t
     spec = spec.model_copy(update={"hyperparameters": hp})
 
     def run(s: TrainingSpec, name: str) -> dict[int, float]:
-        (tmp_path / f"{name}.json").write_text(s.model_dump_json())
-        result = subprocess.run(
-            [sys.executable, "-m", "trainer_core.launch", str(tmp_path / f"{name}.json")],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        said = [json.loads(line) for line in result.stdout.splitlines()]
+        code, said, stderr = launch_trainer(s, tmp_path / f"{name}.json")
+        assert code == 0, stderr
         return {e["step"]: e["train_loss"] for e in said if e["type"] == "metrics" and "train_loss" in e}
 
     through = run(spec, "through")

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support import ROOT, rows, write_jsonl
+from tests.support import ROOT, launch_trainer, rows, write_jsonl
 from trainer_core import backends, modeling, ort_trainer, prepare, registry, trainer
 from trainer_core.events import EventStream
 from trainer_core.launch import with_stores
@@ -52,21 +52,6 @@ def spec_for(tmp: Path, **kw: Any) -> TrainingSpec:
         "hyperparameters": Hyperparameters(max_steps=6, batch_size=8, learning_rate=1e-3).resolved(48),
     }
     return TrainingSpec(**(base | kw))
-
-
-def launch(
-    spec: TrainingSpec, tmp: Path, env: dict[str, str] | None = None
-) -> tuple[int, list[dict[str, Any]]]:
-    spec.dump(tmp / "spec.json")
-    result = subprocess.run(
-        [sys.executable, "-m", "trainer_core.launch", str(tmp / "spec.json")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **(env or {})},
-    )
-    return result.returncode, [json.loads(line) for line in result.stdout.splitlines()]
 
 
 def losses_with(backend: str, tmp: Path) -> tuple[list[float], Any]:
@@ -138,7 +123,7 @@ def test_ort_matches_pytorch_losses_and_really_ran(tmp_path: Path) -> None:
 
 
 def test_launch_with_ort_records_the_proof_and_exports(tmp_path: Path) -> None:
-    code, events = launch(spec_for(tmp_path, backend="ort"), tmp_path)
+    code, events, _ = launch_trainer(spec_for(tmp_path, backend="ort"), tmp_path / "spec.json")
     assert code == 0, events[-1]
     backend = next(e for e in events if e["type"] == "backend")
     assert (backend["requested"], backend["used"]) == ("ort", "ort")
@@ -150,7 +135,7 @@ def test_launch_with_ort_records_the_proof_and_exports(tmp_path: Path) -> None:
 
 
 def test_auto_measures_both_and_records_the_figures(tmp_path: Path) -> None:
-    code, events = launch(spec_for(tmp_path, backend="auto"), tmp_path)
+    code, events, _ = launch_trainer(spec_for(tmp_path, backend="auto"), tmp_path / "spec.json")
     assert code == 0, events[-1]
     backend = next(e for e in events if e["type"] == "backend")
     figures = backend["figures"]
@@ -164,12 +149,14 @@ def test_broken_ort_fails_backend_ort_and_auto_falls_back(tmp_path: Path) -> Non
     shadow.mkdir()
     (shadow / "sitecustomize.py").write_text(BROKEN_ORT)
     env = {"PYTHONPATH": f"{shadow}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    code, events = launch(spec_for(tmp_path, backend="ort"), tmp_path, env)
+    code, events, _ = launch_trainer(spec_for(tmp_path, backend="ort"), tmp_path / "spec.json", env)
     assert code == 2
     assert events[-1]["type"] == "error" and events[-1]["code"] == "BackendUnavailable"
     assert "simulated broken onnxruntime-training build" in events[-1]["message"]
     (tmp_path / "auto").mkdir()
-    code, events = launch(spec_for(tmp_path / "auto", backend="auto"), tmp_path / "auto", env)
+    code, events, _ = launch_trainer(
+        spec_for(tmp_path / "auto", backend="auto"), tmp_path / "auto" / "spec.json", env
+    )
     assert code == 0, events[-1]
     backend = next(e for e in events if e["type"] == "backend")
     assert backend["used"] == "torch" and "fell back to PyTorch" in backend["reason"]
@@ -185,11 +172,13 @@ def test_a_model_ort_cannot_export_fails_ort_and_auto_falls_back(tmp_path: Path)
     shadow.mkdir()
     (shadow / "sitecustomize.py").write_text(FAILING_EXPORT)
     env = {"PYTHONPATH": f"{shadow}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    code, events = launch(spec_for(tmp_path, backend="ort"), tmp_path, env)
+    code, events, _ = launch_trainer(spec_for(tmp_path, backend="ort"), tmp_path / "spec.json", env)
     assert code != 0 and events[-1]["type"] == "error"
     assert "aten::frobnicate" in events[-1]["message"]
     (tmp_path / "auto").mkdir()
-    code, events = launch(spec_for(tmp_path / "auto", backend="auto"), tmp_path / "auto", env)
+    code, events, _ = launch_trainer(
+        spec_for(tmp_path / "auto", backend="auto"), tmp_path / "auto" / "spec.json", env
+    )
     assert code == 0, events[-1]
     backend = next(e for e in events if e["type"] == "backend")
     assert backend["used"] == "torch"
@@ -209,7 +198,9 @@ def test_cuda_only_optimizer_on_cpu_is_substituted_and_said(tmp_path: Path) -> N
 def test_mixed_precision_that_cpu_cannot_do_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(backends.BackendUnavailable, match="fp32 only"):
         backends.choose(spec_for(tmp_path, backend="ort", precision="bf16"), cuda=False)
-    code, events = launch(spec_for(tmp_path, backend="torch", precision="fp16"), tmp_path)
+    code, events, _ = launch_trainer(
+        spec_for(tmp_path, backend="torch", precision="fp16"), tmp_path / "spec.json"
+    )
     assert code == 2 and "fp16 needs a CUDA GPU" in events[-1]["message"]
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from tests.support import DEMO, ROOT, write_jsonl
+from tests.support import DEMO, ROOT, launch_trainer, write_jsonl
 from trainer_core import rows
 from trainer_core.spec import Hyperparameters, TrainingSpec
 
@@ -130,16 +130,8 @@ def test_launch_by_hand_emits_json_lines(tmp_path: Path) -> None:
         hyperparameters=Hyperparameters(max_steps=2, batch_size=8).resolved(32),
         backend="torch",
     )
-    spec.dump(tmp_path / "spec.json")
-    result = subprocess.run(
-        [sys.executable, "-m", "trainer_core.launch", str(tmp_path / "spec.json")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    events = [json.loads(line) for line in result.stdout.splitlines()]  # every stdout line is an event
+    code, events, stderr = launch_trainer(spec, tmp_path / "spec.json")
+    assert code == 0, stderr
     kinds = [e["type"] for e in events]
     assert "backend" in kinds and kinds[-1] == "result"
     assert {"metrics", "artifact", "progress"} <= set(kinds)
@@ -160,16 +152,9 @@ def test_launch_reports_a_spec_that_cannot_run(tmp_path: Path) -> None:
         backend="torch",
         precision="fp16",
     )
-    spec.dump(tmp_path / "spec.json")
-    result = subprocess.run(
-        [sys.executable, "-m", "trainer_core.launch", str(tmp_path / "spec.json")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert result.returncode == 2
-    error = json.loads(result.stdout.splitlines()[-1])
+    code, events, _ = launch_trainer(spec, tmp_path / "spec.json")
+    assert code == 2
+    error = events[-1]
     assert error["type"] == "error" and "fp16 needs a CUDA GPU" in error["message"]
 
 
