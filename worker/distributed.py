@@ -35,6 +35,7 @@ from ortune.storage import ObjectStore, pack_dir
 from trainer_core.contract import log_tail
 from worker import attempt, runner
 from worker.attempt import WORKER, Claimed, Heartbeat, Outcome
+from worker.memory import MemoryWatch
 from worker.staging import Staged, stage, store_of
 from worker.trainer_process import TrainerProcess, launch, signal_group
 
@@ -260,6 +261,10 @@ def _follow(settings: Settings, job: Job, workdir: Path, command: list[str], tas
     log_path, rank = workdir / "trainer.log", int(task["node_rank"])
     with log_path.open("w") as out:
         proc = launch(command, cwd=workdir, env=_env(settings, task), stdout=out, stderr=subprocess.STDOUT)
+        watch = MemoryWatch(
+            proc.pid, settings.trainer_memory_bytes
+        )  # this node's ranks, under the same limit
+        watch.start()
         store = store_of(settings)
         while proc.poll() is None:
             time.sleep(1.0)
@@ -269,11 +274,18 @@ def _follow(settings: Settings, job: Job, workdir: Path, command: list[str], tas
                 signal_group(proc, signal.SIGKILL)
             _upload_parts(settings, store, job, workdir, rank)
         code = proc.wait()
+        peak = watch.stop()
         if code == 0:
             _upload_last_parts(settings, store, job, workdir, rank)
     error = None
-    if code != 0:
+    if watch.exceeded:
+        error = (
+            f"out of memory: its ranks reached {peak / 2**20:,.0f} MiB of private memory, over the limit of "
+            f"{settings.trainer_memory_bytes / 2**20:,.0f} MiB (ORTUNE_TRAINER_MEMORY_LIMIT)"
+        )
+    elif code != 0:
         error = f"exit code {code}; last log lines: {log_tail(log_path, lines=8)}"
+    if error is not None:
         with session_scope(settings.database_url) as session:
             EventRepository(session).add(
                 job.id, f"Node rank {rank} on {settings.node_name} failed: {error}", level="error"

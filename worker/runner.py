@@ -16,6 +16,7 @@ from ortune.db.repositories import EventRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from ortune.storage import ObjectStore
+from trainer_core import datastore
 from worker import attempt, stores
 from worker.attempt import Heartbeat, Outcome
 from worker.staging import Staged, attempt_dir, stage, store_of
@@ -38,6 +39,7 @@ def run(settings: Settings, job_id: str) -> str:
         outcome = tokenize(settings, store, job, staged)
         if outcome.status == JobStatus.running:
             outcome = TrainerProcess(settings, store, job, staged.spec).run()
+        keep_built(settings, store, job, staged)  # the stores the trainer built as it started
     except Exception as exc:
         log.exception("job %s failed in the worker", job_id)
         outcome = Outcome.worker_error(exc)
@@ -52,15 +54,21 @@ def run(settings: Settings, job_id: str) -> str:
 def tokenize(
     settings: Settings, store: ObjectStore, job: Job, staged: Staged, env: dict[str, str] | None = None
 ) -> Outcome:
-    """Build the stores nobody has made yet (`trainer_core.prepare`, its progress relayed) and keep them in
-    object storage for every later attempt, trial, rank and job. `running` when training can go on."""
-    if not staged.to_build:
+    """Build the stores nobody has made yet with `trainer_core.prepare` (its progress relayed) and keep them
+    in object storage for every later attempt, trial, rank and job. `running` when training can go on."""
+    if not staged.to_build or staged.in_trainer:
         return Outcome(JobStatus.running)
     outcome = TrainerProcess(settings, store, job, staged.spec, env=env, prepare=True).run()
-    if outcome.status != JobStatus.running:
-        return outcome
+    if outcome.status == JobStatus.running:
+        keep_built(settings, store, job, staged)
+    return outcome
+
+
+def keep_built(settings: Settings, store: ObjectStore, job: Job, staged: Staged) -> None:
+    """Upload each store this attempt built that is whole, once."""
     workdir = Path(staged.spec.output_dir).parent
-    for built in staged.to_build:
+    for built in [s for s in staged.to_build if datastore.is_whole(s.path)]:
+        staged.to_build.remove(built)
         size = stores.keep(store, built, workdir)
         with session_scope(settings.database_url) as session:
             EventRepository(session).add(
@@ -68,7 +76,6 @@ def tokenize(
                 f"Stored the tokenized {built.file.filename} for later attempts and jobs ({size:,} bytes)",
                 data={"store": built.key, "bytes": size, "phase": "tokenizing"},
             )
-    return outcome
 
 
 def clear(settings: Settings, workdir: Path, staged: Staged | None) -> None:

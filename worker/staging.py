@@ -18,6 +18,7 @@ from trainer_core.spec import TrainingSpec
 from worker.stores import Store, fetch, stores_of, wait_for
 
 STORE_WAIT_S = 1800.0  # how long a follower node waits for rank 0's node to tokenize
+IN_TRAINER_ROWS = 50_000
 
 
 def store_of(settings: Settings) -> ObjectStore:
@@ -40,7 +41,11 @@ def attempt_dir(settings: Settings, job: Job) -> Path:
 @dataclass
 class Staged:
     spec: TrainingSpec
-    to_build: list[Store]  # stores nobody has made yet: `trainer_core.prepare` builds them first
+    to_build: list[Store]  # stores nobody has made yet
+    # Small files of single-process jobs are tokenized by the trainer itself as it starts: a process of its
+    # own would cost more to start (importing transformers) than the tokenizing. Larger ones, and every
+    # store a multi-process job's other nodes wait for, are built first by `trainer_core.prepare`.
+    in_trainer: bool = False
 
 
 def stage(
@@ -90,7 +95,8 @@ def stage(
     spec.dump(workdir / "spec.json")
     if lead:
         store.put_path(f"jobs/{job.id}/spec.json", workdir / "spec.json")
-    return Staged(spec, to_build)
+    small = all((s.file.row_count or 0) < IN_TRAINER_ROWS for s in to_build)
+    return Staged(spec, to_build, in_trainer=bool(to_build) and small and job.world_size == 1)
 
 
 def _found(settings: Settings, store: ObjectStore, job: Job, wanted: Store, *, lead: bool) -> bool:
