@@ -111,7 +111,7 @@ def evict(settings: Settings, in_use: set[Path]) -> list[str]:
     for path in root.iterdir():
         if path.is_dir() and datastore.is_whole(path) and path not in in_use:
             used = (path / USED).stat().st_mtime if (path / USED).exists() else 0.0
-            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            size = _size(path)
             entries.append((used, size, path))
     total = sum(size for _, size, _ in entries) + sum(_size(p) for p in in_use if p.is_dir())
     dropped = []
