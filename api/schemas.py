@@ -105,8 +105,8 @@ class JobCreate(BaseModel):
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = None
     task: Task | None = None
     backend: Backend = "auto"
-    optim: Optim = "adamw_torch"
-    precision: Precision = "fp32"
+    optim: Optim = "auto"
+    precision: Precision = "auto"
     checkpoint_every_steps: Annotated[int, Field(ge=1)] | None = None
     keep_checkpoints: Annotated[int, Field(ge=1, le=100)] = 3
     priority: Annotated[int, Field(ge=-100, le=100)] = 0
@@ -165,6 +165,8 @@ class FineTuningJob(BaseModel):
     backend_reason: str | None
     optim: str
     precision: str
+    precision_used: str | None = None
+    precision_reason: str | None = None
     keep_checkpoints: int
     priority: int
     attempt: int
@@ -203,6 +205,8 @@ class FineTuningJob(BaseModel):
             backend_reason=job.backend_reason,
             optim=spec.optim,
             precision=spec.precision,
+            precision_used=getattr(job, "precision_used", None),
+            precision_reason=getattr(job, "precision_reason", None),
             keep_checkpoints=spec.keep_checkpoints,
             priority=job.priority,
             attempt=job.attempt,

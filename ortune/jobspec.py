@@ -29,8 +29,8 @@ class JobSpec(BaseModel):
     task: Task
     labels: list[str | int] = []
     backend: Backend = "auto"
-    optim: Optim = "adamw_torch"
-    precision: Precision = "fp32"
+    optim: Optim = "auto"
+    precision: Precision = "auto"
     checkpoint_every_steps: int | None = None
     keep_checkpoints: int = 3  # the last N checkpoints are kept in storage, and the best one
     distributed: Distributed = Distributed()

@@ -1,8 +1,9 @@
 """Which engine runs forward/backward, and why: decided before training and recorded on the job.
 
 `torch` is plain PyTorch. `ort` asks for ONNX Runtime training's ORTModule and fails the job, with the
-reason, when it cannot run. `auto` measures both on the job's own model and first batch when ORT can run
-(see `measure`) and keeps the faster; when ORT cannot run it trains with PyTorch and says why. Never silent.
+reason, when it cannot run. `auto` measures both on the job's own model, device, precision and first batches
+when ORT can run (see `measure`) and keeps ORT only when it is clearly faster; when ORT cannot run it trains
+with PyTorch and says why. The decision is made once per job and kept by later attempts. Never silent.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ class BackendChoice:
 
 def ort_problem(spec: TrainingSpec, *, cuda: bool) -> str | None:
     """None when ORTModule can train this spec here, otherwise why not."""
-    if not cuda and spec.precision != "fp32":
-        return f"ORT training on CPU runs fp32 only (precision {spec.precision} was asked for)"
+    if (unfit := _precision_problem(spec, cuda=cuda)) is not None:
+        return unfit
     from trainer_core import ort_setup
 
     if (broken := ort_setup.reason_if_broken()) is not None:
@@ -52,14 +53,28 @@ def ort_problem(spec: TrainingSpec, *, cuda: bool) -> str | None:
     return None
 
 
+def _precision_problem(spec: TrainingSpec, *, cuda: bool) -> str | None:
+    if not cuda and spec.precision in ("bf16", "fp16"):
+        return f"ORT training on CPU runs fp32 only, and this job trains in {spec.precision}"
+    return None
+
+
 def choose(spec: TrainingSpec, *, cuda: bool) -> BackendChoice:
+    """The backend for `spec`, whose precision is already decided (trainer_core/precision.py)."""
     problem = None if spec.backend == "torch" else ort_problem(spec, cuda=cuda)
     if spec.backend == "ort" and problem:
         raise BackendUnavailable(problem)
+    kept = spec.backend_decided if spec.backend == "auto" else None
     if spec.backend == "torch":
         choice = BackendChoice("torch", "torch")
+    elif problem and problem == _precision_problem(spec, cuda=cuda):
+        choice = BackendChoice("auto", "torch", f"PyTorch: {problem}")  # the precision's choice, not a fault
     elif problem:
         choice = BackendChoice("auto", "torch", f"fell back to PyTorch: {problem}")
+    elif kept is not None:
+        why = "decided by this job's first attempt; kept so the engine never changes mid-job"
+        reason = f"{kept['reason']} ({why})"
+        choice = BackendChoice("auto", kept["used"], reason)
     elif spec.backend == "auto" and spec.distributed.world_size > 1:
         # every rank timing its own steps could pick differently, and mixed backends would deadlock
         choice = BackendChoice(
@@ -71,6 +86,8 @@ def choose(spec: TrainingSpec, *, cuda: bool) -> BackendChoice:
 
 
 def _with_optimizer(choice: BackendChoice, optim: str, *, cuda: bool) -> BackendChoice:
+    if optim == "auto":  # torch's fused AdamW: one kernel per parameter group, on CPU and CUDA alike
+        return replace(choice, optim="adamw_torch_fused")
     if optim != "adamw_ort_fused":
         return replace(choice, optim=optim)
     if not cuda:
@@ -97,54 +114,132 @@ def describe(exc: BaseException) -> str:
     return (f"{head} {cause}" if cause else head)[:400]
 
 
-def decided(choice: BackendChoice, used: str, figures: dict[str, Any], cuda: bool) -> BackendChoice:
-    """The choice after `measure`: the optimizer follows the backend that won."""
-    reason = (
-        f"measured {figures['torch_ms']:.1f} ms/step with PyTorch and {figures['ort_ms']:.1f} ms/step "
-        f"with ORT on this job's model and batch; kept {used}"
-    )
-    out = replace(choice, used=used, reason=reason, figures=figures)
-    return _with_optimizer(out, "adamw_ort_fused", cuda=cuda) if choice.ort_optim else out
+# ORT is kept only when its expected cost (steps plus its export) is this much below PyTorch's: the median of
+# a few interleaved rounds moves by a few percent between runs on a shared machine (bench/train_backends
+# prints the spread), and within that band the simpler engine is the better bet.
+MARGIN = 0.05
+# ORTModule's export and graph build took at least this long for the smallest model here; a job whose
+# measuring budget is below it is not measured, since ORT could not pay that back.
+ORT_SETUP_FLOOR_S = 2.0
+MAX_ROUNDS = 7
 
 
 def measure(
-    model: Any, batch: dict[str, Any], *, steps: int = 3, log_level: str = "WARNING"
+    model: Any,
+    batches: list[dict[str, Any]],
+    *,
+    micro_steps: int,
+    autocast_dtype: Any = None,
+    budget_fraction: float = 0.03,
+    log_level: str = "WARNING",
 ) -> dict[str, Any]:
-    """Time forward+backward of PyTorch and ORTModule on the same model and batch.
+    """Time forward+backward with PyTorch (SDPA attention) and ORTModule (eager attention, which ORT's
+    gradient builder needs) on the job's model, device, precision and first batches, in interleaved rounds.
 
-    No optimizer step is taken and gradients are cleared, so the model is unchanged; the RNG state is
-    restored, so training draws the same dropout masks as it would have. The ORTModule built here is
-    returned for reuse, so its export is not paid twice.
-    """
+    Spends at most `budget_fraction` of the job's expected time (`micro_steps` forward+backward passes at
+    PyTorch's speed); when that budget cannot cover ORT's export, ORT is not tried. No optimizer step is
+    taken and gradients are cleared, so the model is unchanged; the RNG state is restored, so training draws
+    the same dropout masks as it would have. `used` is the winner; the winner's module is returned in
+    `ort_module` when it is ORT (so its export is not paid twice), the loser's memory is freed, and the
+    model is left with the attention the winner needs."""
+    import gc
+    import statistics
+
     import torch
 
     from trainer_core.ort_trainer import wrap
 
+    device = next(model.parameters()).device
     rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
 
-    def timed(module: Any) -> float:
-        module(**batch).loss.backward()  # warm-up: allocations, and ORT's export and graph build
-        start = time.perf_counter()
-        for _ in range(steps):
-            module(**batch).loss.backward()
-        if torch.cuda.is_available():
+    def step(module: Any, batch: dict[str, Any]) -> float:
+        if device.type == "cuda":
             torch.cuda.synchronize()
-        return (time.perf_counter() - start) / steps * 1000
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = module(**batch).loss
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1000
 
     t0 = time.perf_counter()
-    torch_ms = timed(model)
+    _set_attention(model, "sdpa")
+    step(model, batches[0])  # warm-up: allocations, kernel choice
+    torch_times = [step(model, batches[0])]
+    expected_s = torch_times[0] / 1000 * micro_steps
+    budget_s = budget_fraction * expected_s
+    figures: dict[str, Any] = {
+        "expected_job_s": round(expected_s, 2),
+        "budget_s": round(budget_s, 2),
+        "batch_shape": list(batches[0]["input_ids"].shape),
+        "margin": MARGIN,
+    }
+    if budget_s < ORT_SETUP_FLOOR_S:
+        model.zero_grad(set_to_none=True)
+        figures |= {"torch_ms": torch_times[0], "cost_s": time.perf_counter() - t0, "used": "torch"}
+        figures["reason"] = (
+            f"this job is expected to train for {expected_s:.0f}s with PyTorch; measuring ORT (its export "
+            f"alone takes over {ORT_SETUP_FLOOR_S:.0f}s) would cost more than {budget_fraction:.0%} of that, "
+            "so kept torch"
+        )
+        return figures
+    _set_attention(model, "eager")
     ort_module = wrap(model, log_level)
-    ort_ms = timed(ort_module)
+    setup = time.perf_counter()
+    step(ort_module, batches[0])  # ORT's export and graph build
+    export_s = time.perf_counter() - setup
+    ort_times: list[float] = []
+    for i in range(MAX_ROUNDS):  # interleaved, so drift on a shared machine hits both alike
+        batch = batches[i % len(batches)]
+        _set_attention(model, "eager")
+        ort_times.append(step(ort_module, batch))
+        _set_attention(model, "sdpa")
+        torch_times.append(step(model, batch))
+        if i >= 2 and time.perf_counter() - t0 > budget_s:
+            break
     model.zero_grad(set_to_none=True)
     torch.set_rng_state(rng)
     if cuda_rng is not None:
         torch.cuda.set_rng_state_all(cuda_rng)
-    return {
+    torch_ms, ort_ms = statistics.median(torch_times[1:]), statistics.median(ort_times)
+    torch_cost = torch_ms / 1000 * micro_steps
+    ort_cost = ort_ms / 1000 * micro_steps + export_s
+    used = "ort" if ort_cost < torch_cost * (1 - MARGIN) else "torch"
+    figures |= {
         "torch_ms": torch_ms,
         "ort_ms": ort_ms,
-        "steps": steps,
-        "batch_shape": list(batch["input_ids"].shape),
-        "cost_s": time.perf_counter() - t0,
-        "ort_module": ort_module,
+        "ort_export_s": round(export_s, 2),
+        "rounds": len(ort_times),
+        "torch_expected_s": round(torch_cost, 1),
+        "ort_expected_s": round(ort_cost, 1),
+        "used": used,
+        "reason": (
+            f"measured {torch_ms:.1f} ms/step with PyTorch and {ort_ms:.1f} ms/step with ORT (plus "
+            f"{export_s:.1f}s of export) on this job's model, device and batches: {torch_cost:.0f}s against "
+            f"{ort_cost:.0f}s for the job; ORT is kept only when {MARGIN:.0%} faster; kept {used}"
+        ),
     }
+    if used == "ort":
+        figures["ort_module"] = ort_module
+        _set_attention(model, "eager")
+    else:
+        del ort_module
+        gc.collect()
+        _set_attention(model, "sdpa")
+    figures["cost_s"] = time.perf_counter() - t0
+    return figures
+
+
+def _set_attention(model: Any, implementation: str) -> None:
+    if model.config._attn_implementation != implementation:
+        model.set_attn_implementation(implementation)
+
+
+def decided(choice: BackendChoice, figures: dict[str, Any], cuda: bool) -> BackendChoice:
+    """The choice after `measure`: the optimizer follows the backend that won."""
+    used = figures["used"]
+    kept = {k: v for k, v in figures.items() if k not in ("ort_module", "used", "reason")}
+    out = replace(choice, used=used, reason=figures["reason"], figures=kept)
+    return _with_optimizer(out, "adamw_ort_fused", cuda=cuda) if choice.ort_optim else out

@@ -45,10 +45,22 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     import torch
     import transformers
 
-    from trainer_core import backends, data, export, modeling, ort_trainer, prepare, ranks, registry, trainer
+    from trainer_core import (
+        backends,
+        export,
+        modeling,
+        ort_trainer,
+        precision,
+        prepare,
+        ranks,
+        registry,
+        trainer,
+    )
 
     transformers.utils.logging.set_verbosity_error()
     cuda = torch.cuda.is_available()
+    chosen_precision = precision.choose(spec, cuda=cuda)
+    spec = spec.model_copy(update={"precision": chosen_precision.used})
     choice = backends.choose(spec, cuda=cuda)
     transformers.set_seed(spec.seed)
     spec = with_stores(spec)
@@ -61,8 +73,8 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     )
     events.emit("phase", name="loading")
     t0 = time.perf_counter()
-    # ORT's gradient builder cannot take SDPA attention, so a model that may run in ORT loads eager attention.
-    attention = "sdpa" if choice.used == "torch" else "eager"
+    # ORT's gradient builder cannot take SDPA attention; `measure` switches it as it times each engine.
+    attention = "eager" if choice.used == "ort" else "sdpa"
     tokenizer = prepare.load_tokenizer(spec, train_set)
     loaded = modeling.load(info, spec, tokenizer=tokenizer, attn_implementation=attention)
     load_s = time.perf_counter() - t0
@@ -73,26 +85,8 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     )
     ort_module = None
     if choice.needs_measurement:
-        collate = data.Collator(loaded.tokenizer.pad_token_id, spec.task)
-        batch = collate([train_set[i] for i in range(min(len(train_set), spec.hyperparameters.batch_size))])
-        try:
-            figures = backends.measure(loaded.model, batch)
-        except Exception as exc:  # ORT could not run this model: auto trains with PyTorch and says why
-            loaded.model.zero_grad(set_to_none=True)
-            problem = backends.describe(exc)
-            choice = backends.BackendChoice(
-                "auto",
-                "torch",
-                f"fell back to PyTorch: ORT failed on this model: {problem}",
-                choice.optim,
-                None,
-                choice.optim_note,
-            )
-        else:
-            winner = "ort" if figures["ort_ms"] < figures["torch_ms"] else "torch"
-            ort_module = figures.pop("ort_module") if winner == "ort" else None
-            choice = backends.decided(choice, winner, figures, cuda)
-    _report_backend(events, choice)
+        choice, ort_module = _measure(spec, choice, loaded, train_set, cuda=cuda)
+    _report_backend(events, choice, chosen_precision)
     hf_trainer = trainer.build(
         spec,
         choice,
@@ -133,7 +127,8 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
 
     # Save: a Hugging Face directory and an ONNX export checked against it.
     out = Path(spec.output_dir)
-    model = hf_trainer.model
+    # without the autocast wrapper Accelerate put on forward for mixed precision: the export traces fp32
+    model = hf_trainer.accelerator.unwrap_model(hf_trainer.model, keep_fp32_wrapper=False)
     manifest = {
         "job_id": spec.job_id,
         "base_model": spec.model,
@@ -167,7 +162,43 @@ def _die_with_launcher() -> None:
         os._exit(EXIT_FAILED)
 
 
-def _report_backend(events: EventStream, choice: Any) -> None:
+def _measure(spec: TrainingSpec, choice: Any, loaded: Any, train_set: Any, *, cuda: bool) -> tuple[Any, Any]:
+    """backend=auto: time both engines as this job will train (see backends.measure); the choice and, when
+    ORT won, its ORTModule."""
+    import torch
+
+    from trainer_core import backends, data
+
+    hp = spec.hyperparameters
+    order = iter(data.BucketSampler(train_set.lengths, hp.batch_size, spec.seed))
+    collate = data.Collator(loaded.tokenizer.pad_token_id, spec.task)
+    batches = []
+    for _ in range(min(3, -(-len(train_set) // hp.batch_size))):
+        rows = [train_set[i] for _, i in zip(range(hp.batch_size), order, strict=False)]
+        batches.append(collate(rows))
+    per_epoch = -(-len(train_set) // hp.batch_size)
+    micro_steps = hp.max_steps * hp.gradient_accumulation_steps if hp.max_steps else per_epoch * hp.n_epochs
+    if cuda:
+        loaded.model.to("cuda")
+        batches = [{k: v.to("cuda") for k, v in b.items()} for b in batches]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision)
+    try:
+        figures = backends.measure(
+            loaded.model,
+            batches,
+            micro_steps=micro_steps,
+            autocast_dtype=dtype,
+            budget_fraction=spec.auto_budget_fraction,
+        )
+    except Exception as exc:  # ORT could not run this model: auto trains with PyTorch and says why
+        loaded.model.zero_grad(set_to_none=True)
+        loaded.model.set_attn_implementation("sdpa")
+        reason = f"fell back to PyTorch: ORT failed on this model: {backends.describe(exc)}"
+        return backends.BackendChoice("auto", "torch", reason, choice.optim, None, choice.optim_note), None
+    return backends.decided(choice, figures, cuda), figures.get("ort_module")
+
+
+def _report_backend(events: EventStream, choice: Any, chosen_precision: Any) -> None:
     events.emit(
         "backend",
         requested=choice.requested,
@@ -176,7 +207,11 @@ def _report_backend(events: EventStream, choice: Any) -> None:
         optim=choice.ort_optim or choice.optim,
         optim_note=choice.optim_note,
         figures={k: v for k, v in choice.figures.items() if k != "ort_module"},
+        precision_requested=chosen_precision.requested,
+        precision=chosen_precision.used,
+        precision_reason=chosen_precision.reason,
     )
+    events.message(f"training in {chosen_precision.reason}")
     if choice.reason:
         events.message(choice.reason, level="warn" if "fell back" in choice.reason else "info")
     if choice.optim_note:

@@ -124,6 +124,7 @@ def load(
     """The model in train mode and its tokenizer. Never trust_remote_code; weights from safetensors only.
 
     A built model takes `tokenizer` (the one its data was tokenized with) or learns one from `texts`."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     label_kw: dict[str, Any] = {}
@@ -157,6 +158,9 @@ def load(
             trust_remote_code=False,
             use_safetensors=True,
             attn_implementation=attn_implementation,
+            # fp32 master weights whatever the checkpoint's dtype: transformers 5 would keep a bf16
+            # checkpoint in bf16 and train it, Adam states included, in pure bf16; precision decides compute
+            dtype=torch.float32,
             **label_kw,
         )
         if tokenizer.pad_token is None:

@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Task = Literal["sequence-classification", "causal-lm"]
 Backend = Literal["torch", "ort", "auto"]
-Optim = Literal["adamw_torch", "adamw_torch_fused", "adamw_ort_fused"]
-Precision = Literal["fp32", "fp16", "bf16"]
+Optim = Literal["auto", "adamw_torch", "adamw_torch_fused", "adamw_ort_fused"]
+Precision = Literal["auto", "fp32", "fp16", "bf16"]
 Auto = Literal["auto"]
 
 
@@ -96,8 +96,14 @@ class TrainingSpec(Strict):
     output_dir: str
     hyperparameters: ResolvedHyperparameters
     backend: Backend = "auto"
-    optim: Optim = "adamw_torch"
-    precision: Precision = "fp32"
+    optim: Optim = "auto"
+    precision: Precision = "auto"
+    # A decision an earlier attempt of this job made ({"used", "reason"}), kept so an engine never switches
+    # mid-job: `backend_decided` for backend=auto.
+    backend_decided: dict[str, str] | None = None
+    # The share of the job's expected time `backend=auto` may spend measuring the engines (over 1 measures
+    # even a job too short to pay for it: the tests do).
+    auto_budget_fraction: Annotated[float, Field(gt=0)] = 0.03
     seed: int = 42
     checkpoint_every_steps: Annotated[int, Field(ge=1)] | None = None
     resume_from: str | None = None

@@ -31,8 +31,6 @@ def training_arguments(
     spec: TrainingSpec, choice: BackendChoice, *, cuda: bool, has_eval: bool
 ) -> ORTTrainingArguments:
     hp = spec.hyperparameters
-    if spec.precision == "fp16" and not cuda:
-        raise SpecError("precision fp16 needs a CUDA GPU; this worker has none (use fp32 or bf16)")
     every = spec.checkpoint_every_steps
     world = spec.distributed.world_size
     if hp.batch_size % world:
@@ -50,6 +48,8 @@ def training_arguments(
         weight_decay=hp.weight_decay,
         warmup_steps=hp.warmup_ratio,
         optim=choice.optim,
+        # mixed precision: autocast compute, fp32 master weights and optimizer state (spec.precision is
+        # already decided by trainer_core/precision.py)
         bf16=spec.precision == "bf16",
         fp16=spec.precision == "fp16",
         use_cpu=not cuda,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.exc import IntegrityError
@@ -49,6 +49,8 @@ class Claimed:
     job: Job
     train: File
     valid: File | None
+    # what the trainer may see: CUDA_VISIBLE_DEVICES for the device this attempt holds, {} off a node
+    device_env: dict[str, str] = field(default_factory=dict)
 
 
 class Heartbeat(threading.Thread):
@@ -82,12 +84,13 @@ def claim(settings: Settings, job_id: str) -> Claimed | None:
         attempt = lifecycle.claim(session, job, WORKER)
         if attempt is None:
             return None
-        if not _take_device(session, settings, job_id, attempt):
+        device_env = _take_device(session, settings, job_id, attempt)
+        if device_env is None:
             session.rollback()  # stays queued; the sweep sends it again once a device is free
             jobs.update(job_id, enqueued_at=None)
             return None
         session.refresh(job)
-        return Claimed(job, *FileRepository(session).of_job(job))
+        return Claimed(job, *FileRepository(session).of_job(job), device_env=device_env)
 
 
 def status_of(settings: Settings, job_id: str) -> JobStatus | None:
@@ -95,25 +98,33 @@ def status_of(settings: Settings, job_id: str) -> JobStatus | None:
         return JobRepository(session).status(job_id)
 
 
-def _take_device(session: Session, settings: Settings, job_id: str, attempt: int) -> bool:
+def _take_device(session: Session, settings: Settings, job_id: str, attempt: int) -> dict[str, str] | None:
     """Account for the device this attempt uses on this worker's node, so the scheduler does not place
-    a multi-process job's rank on it meanwhile. False when every device of the node is held."""
+    a multi-process job's rank on it meanwhile; the trainer's environment that shows it that device alone.
+    None when every device of the node is held."""
     nodes = NodeRepository(session)
     node = nodes.get(settings.node_name)
     if node is None:  # not a registered node (a job run by hand): nothing to account for
-        return True
+        return {}
     taken = {a.device for a in nodes.live_assignments([node.name])}
     free = [d for d in range(node.devices) if d not in taken]
     if not free:
-        return False
+        return None
     try:
         with session.begin_nested():
             session.add(
                 Assignment(job_id=job_id, attempt=attempt, node_name=node.name, node_rank=0, device=free[0])
             )
     except IntegrityError:  # the scheduler gave it away a moment ago
-        return False
-    return True
+        return None
+    return device_env(node.device_kind, [free[0]])
+
+
+def device_env(kind: str, devices: list[int]) -> dict[str, str]:
+    """The trainer sees only its own devices. A single-process trainer that saw every GPU would be wrapped
+    in DataParallel by the Trainer, silently multiplying the batch by the GPU count; a CPU node's trainer
+    sees none."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)) if kind == "cuda" else ""}
 
 
 def finish(settings: Settings, job: Job, outcome: Outcome) -> None:

@@ -118,11 +118,27 @@ class Relay:
                 }
             )
         elif kind == "backend":
-            self.batch.job |= {"backend_used": event.get("used"), "backend_reason": event.get("reason")}
+            self.batch.job |= {
+                "backend_used": event.get("used"),
+                "backend_reason": event.get("reason"),
+                "precision_used": event.get("precision"),
+                "precision_reason": event.get("precision_reason"),
+            }
             self.message(
                 f"Backend: {event.get('used')} (requested {event.get('requested')}), "
-                f"optimizer {event.get('optim')}",
-                data={k: event.get(k) for k in ("requested", "used", "reason", "optim")},
+                f"optimizer {event.get('optim')}, precision {event.get('precision')}",
+                data={
+                    k: event.get(k)
+                    for k in (
+                        "requested",
+                        "used",
+                        "reason",
+                        "optim",
+                        "precision",
+                        "precision_reason",
+                        "figures",
+                    )
+                },
             )
 
     def flush(self) -> JobStatus | None:

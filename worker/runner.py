@@ -36,9 +36,9 @@ def run(settings: Settings, job_id: str) -> str:
     try:
         store = store_of(settings)
         staged = stage(settings, store, job, claimed.train, claimed.valid)
-        outcome = tokenize(settings, store, job, staged)
+        outcome = tokenize(settings, store, job, staged, claimed.device_env)
         if outcome.status == JobStatus.running:
-            outcome = TrainerProcess(settings, store, job, staged.spec).run()
+            outcome = TrainerProcess(settings, store, job, staged.spec, env=claimed.device_env).run()
         keep_built(settings, store, job, staged)  # the stores the trainer built as it started
     except Exception as exc:
         log.exception("job %s failed in the worker", job_id)

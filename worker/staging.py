@@ -48,6 +48,13 @@ class Staged:
     in_trainer: bool = False
 
 
+def decided_backend(job: Job) -> dict[str, str] | None:
+    """What an earlier attempt of an `auto` job decided, so that a resumed job trains on the same engine."""
+    if job.backend_requested != "auto" or job.backend_used is None:
+        return None
+    return {"used": job.backend_used, "reason": job.backend_reason or ""}
+
+
 def stage(
     settings: Settings,
     store: ObjectStore,
@@ -89,6 +96,7 @@ def stage(
         seed=job.seed,
         resume_from=resume_from,
         distributed_timeout_seconds=settings.distributed_timeout_seconds,
+        backend_decided=decided_backend(job),
         **job.spec.training_fields(),
     )
     workdir.mkdir(parents=True, exist_ok=True)

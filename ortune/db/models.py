@@ -155,6 +155,9 @@ class Job(Base):
     backend_requested: Mapped[str] = mapped_column(String(16))
     backend_used: Mapped[str | None] = mapped_column(String(16))
     backend_reason: Mapped[str | None] = mapped_column(Text)
+    # what the trainer computed in (fp32, bf16, fp16) and why: `precision: auto` decides per device
+    precision_used: Mapped[str | None] = mapped_column(String(8))
+    precision_reason: Mapped[str | None] = mapped_column(Text)
     fine_tuned_model: Mapped[str | None] = mapped_column(String(512))
     step: Mapped[int] = mapped_column(Integer, default=0)
     total_steps: Mapped[int | None] = mapped_column(Integer)

@@ -49,6 +49,7 @@ def spec_for(tmp: Path, **kw: Any) -> TrainingSpec:
         "labels": ["negative", "positive"],
         "output_dir": str(tmp / "out"),
         "seed": 3,
+        "precision": "fp32",  # ORT training on CPU is fp32; `auto` would choose bf16 on this CPU
         "hyperparameters": Hyperparameters(max_steps=6, batch_size=8, learning_rate=1e-3).resolved(48),
     }
     return TrainingSpec(**(base | kw))
@@ -134,14 +135,79 @@ def test_launch_with_ort_records_the_proof_and_exports(tmp_path: Path) -> None:
     assert manifest["backend_used"] == "ort"
 
 
-def test_auto_measures_both_and_records_the_figures(tmp_path: Path) -> None:
-    code, events, _ = launch_trainer(spec_for(tmp_path, backend="auto"), tmp_path / "spec.json")
+def test_auto_measures_both_in_interleaved_rounds_and_keeps_ort_only_by_a_margin(tmp_path: Path) -> None:
+    spec = spec_for(tmp_path, backend="auto", auto_budget_fraction=1000.0)
+    code, events, _ = launch_trainer(spec, tmp_path / "spec.json")
     assert code == 0, events[-1]
     backend = next(e for e in events if e["type"] == "backend")
     figures = backend["figures"]
     assert figures["torch_ms"] > 0 and figures["ort_ms"] > 0 and figures["batch_shape"][0] == 8
-    assert backend["used"] == ("ort" if figures["ort_ms"] < figures["torch_ms"] else "torch")
+    assert figures["rounds"] >= 3 and figures["ort_export_s"] > 0
+    faster = figures["ort_expected_s"] < figures["torch_expected_s"] * (1 - figures["margin"])
+    assert backend["used"] == ("ort" if faster else "torch")
     assert f"kept {backend['used']}" in backend["reason"]
+
+
+def test_auto_does_not_measure_a_job_too_short_to_pay_for_it(tmp_path: Path) -> None:
+    # 6 steps of a tiny model: a fraction of a second, against seconds of ORT export
+    code, events, _ = launch_trainer(spec_for(tmp_path, backend="auto"), tmp_path / "s.json")
+    assert code == 0, events[-1]
+    backend = next(e for e in events if e["type"] == "backend")
+    assert backend["used"] == "torch" and "would cost more than 3%" in backend["reason"]
+    assert "ort_ms" not in backend["figures"] and backend["figures"]["expected_job_s"] > 0
+
+
+def test_auto_keeps_the_decision_of_the_jobs_first_attempt(tmp_path: Path) -> None:
+    decided = {
+        "used": "ort",
+        "reason": "measured 9.0 ms/step with PyTorch and 4.0 ms/step with ORT; kept ort",
+    }
+    spec = spec_for(tmp_path, backend="auto", backend_decided=decided)
+    code, events, _ = launch_trainer(spec, tmp_path / "spec.json")
+    assert code == 0, events[-1]
+    backend = next(e for e in events if e["type"] == "backend")
+    assert backend["used"] == "ort" and "decided by this job's first attempt" in backend["reason"]
+    assert backend["figures"] == {}  # nothing measured again
+    assert events[-1]["metrics"]["ort_training_graph_nodes"] > 50
+
+
+def measure_probe(tmp: str, margin: float) -> dict[str, Any]:
+    """backends.measure on a tiny model with the margin forced: what the winner leaves behind."""
+    spec = spec_for(Path(tmp))
+    loaded = modeling.load(registry.resolve("tiny-bert"), spec, [r["text"] for r in rows(48)])
+    batch = loaded.tokenizer([r["text"] for r in rows(8)], padding=True, return_tensors="pt")
+    batch["labels"] = torch.tensor([0, 1] * 4)
+    before = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+    backends.MARGIN = margin
+    figures = backends.measure(loaded.model, [dict(batch)], micro_steps=1000, budget_fraction=1000.0)
+    same = all(torch.equal(before[k], v) for k, v in loaded.model.state_dict().items())
+    return {
+        "used": figures["used"],
+        "has_module": "ort_module" in figures,
+        "attention": loaded.model.config._attn_implementation,
+        "unchanged": same,
+        "grads": any(p.grad is not None for p in loaded.model.parameters()),
+    }
+
+
+@pytest.mark.parametrize(("margin", "used", "attention"), [(0.99, "torch", "sdpa"), (-100.0, "ort", "eager")])
+def test_measure_leaves_the_winner_ready_and_the_model_unchanged(
+    tmp_path: Path, margin: float, used: str, attention: str
+) -> None:
+    code = "import json; from tests.trainer_core.test_ort import measure_probe; "
+    code += f"print(json.dumps(measure_probe({str(tmp_path)!r}, {margin})))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    probe = json.loads(result.stdout.splitlines()[-1])
+    assert probe == {
+        "used": used,
+        "has_module": used == "ort",  # the loser's ORTModule is dropped, the winner's kept for training
+        "attention": attention,
+        "unchanged": True,
+        "grads": False,
+    }
 
 
 def test_broken_ort_fails_backend_ort_and_auto_falls_back(tmp_path: Path) -> None:
@@ -155,7 +221,9 @@ def test_broken_ort_fails_backend_ort_and_auto_falls_back(tmp_path: Path) -> Non
     assert "simulated broken onnxruntime-training build" in events[-1]["message"]
     (tmp_path / "auto").mkdir()
     code, events, _ = launch_trainer(
-        spec_for(tmp_path / "auto", backend="auto"), tmp_path / "auto" / "spec.json", env
+        spec_for(tmp_path / "auto", backend="auto", auto_budget_fraction=1000.0),
+        tmp_path / "auto" / "spec.json",
+        env,
     )
     assert code == 0, events[-1]
     backend = next(e for e in events if e["type"] == "backend")
@@ -177,7 +245,9 @@ def test_a_model_ort_cannot_export_fails_ort_and_auto_falls_back(tmp_path: Path)
     assert "aten::frobnicate" in events[-1]["message"]
     (tmp_path / "auto").mkdir()
     code, events, _ = launch_trainer(
-        spec_for(tmp_path / "auto", backend="auto"), tmp_path / "auto" / "spec.json", env
+        spec_for(tmp_path / "auto", backend="auto", auto_budget_fraction=1000.0),
+        tmp_path / "auto" / "spec.json",
+        env,
     )
     assert code == 0, events[-1]
     backend = next(e for e in events if e["type"] == "backend")
