@@ -1,17 +1,30 @@
-"""Training throughput of each backend on the same model, data and seed, side by side in one run.
+"""Training throughput of each way to train, side by side in one run, on real variable-length text.
 
-Backends: torch eager with AdamW (foreach), AdamW(fused=True), torch.compile, and ORTModule where it imports
-(otherwise the reason is reported). Rounds are interleaved (A B C D, A B C D, ...) so drift on a shared,
-noisy machine hits every backend alike; the median round is reported, as a ratio to eager. Model FLOPs
-utilisation is 6 * parameters * tokens per second against a matmul peak measured in the same run.
+Rows, per model:
+- eager fp32: PyTorch eager, SDPA attention, AdamW (foreach): the baseline every ratio is against;
+- eager bf16: the same under bf16 autocast (fp32 master weights and optimizer state);
+- fused bf16: and AdamW(fused=True);
+- compile bf16: and torch.compile (its compile time is reported apart: `setup_s`);
+- ORT fp32 and ORT bf16: ORTModule (eager attention, which its gradient builder needs), or why it cannot run;
+- auto: what a default job picks here (precision auto, backend auto, optim auto) through the trainer's own
+  code (trainer_core.precision, trainer_core.backends.measure), timed like the others; `auto+measure` spreads
+  the measuring cost over a job of --job-steps steps.
 
-    python -m bench.train_backends [--device cuda] [--out bench/results]
+Data: the demo's sentences joined into texts of 1 to 12 sentences, tokenized by the model's own tokenizer,
+ordered by the job's BucketSampler and padded per batch by the job's Collator: the lengths a job sees.
+Rounds are interleaved (every row once per round) so drift on a shared, noisy machine hits each alike; the
+median round is reported. MFU is 6 x matmul parameters x padded positions/s against the matmul peak of the
+precision the row computes in, measured in the same run.
+
+    python -m bench.train_backends [--device cuda --models bert-base,gpt2-small] [--out bench/results]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -19,65 +32,96 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import BertConfig, BertForSequenceClassification
+
+from trainer_core import backends, data, modeling, precision, registry
+from trainer_core.spec import Hyperparameters, TrainingSpec
+
+DEMO = Path(__file__).resolve().parents[1] / "ortune" / "demo_data" / "sentiment_train.jsonl"
+ROWS = ["eager_fp32", "eager_bf16", "fused_bf16", "compile_bf16", "ort_fp32", "ort_bf16", "auto"]
 
 
-def make_model(seed: int, device: str) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=2000,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=512,
-        max_position_embeddings=256,
-        num_labels=2,
-        attn_implementation="eager",
+def texts(n: int, seed: int = 0) -> list[tuple[str, int]]:
+    sentences = [json.loads(line) for line in DEMO.read_text().splitlines()]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        picked = rng.sample(sentences, rng.randint(1, 12))
+        out.append((" ".join(s["text"] for s in picked), int(picked[0]["label"] == "positive")))
+    return out
+
+
+def build(name: str, device: str) -> tuple[torch.nn.Module, Any, str]:
+    """(model, tokenizer, task) with SDPA attention, in fp32, in train mode."""
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        BertConfig,
+        BertForSequenceClassification,
+        GPT2Config,
+        GPT2LMHeadModel,
     )
-    return BertForSequenceClassification(config).to(device).train()
 
-
-def batches(n: int, batch: int, seq: int, device: str, seed: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        {
-            "input_ids": torch.randint(5, 2000, (batch, seq), generator=g).to(device),
-            "attention_mask": torch.ones(batch, seq, dtype=torch.long, device=device),
-            "labels": torch.randint(0, 2, (batch,), generator=g).to(device),
+    torch.manual_seed(0)
+    minilm = next((m.path for m in registry.list_models() if m.id.endswith("all-MiniLM-L6-v2")), None)
+    if name == "minilm":
+        model = AutoModelForSequenceClassification.from_pretrained(
+            minilm, num_labels=2, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        return model.to(device).train(), AutoTokenizer.from_pretrained(minilm), "sequence-classification"
+    if name in ("small-bert", "bert-base"):
+        # MiniLM's real WordPiece vocabulary where it is installed (not on a bare GPU machine), else one
+        # learnt from the texts; the embedding table has BERT's size either way
+        tok = (
+            AutoTokenizer.from_pretrained(minilm)
+            if minilm
+            else modeling.train_tokenizer("tiny-bert", (t for t, _ in texts(2000)))
+        )
+        size = {
+            "hidden_size": 256,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "intermediate_size": 1024,
         }
-        for _ in range(n)
-    ]
+        config = BertConfig(
+            vocab_size=max(len(tok), 30522),
+            num_labels=2,
+            attn_implementation="sdpa",
+            **(size if name == "small-bert" else {}),
+        )
+        return BertForSequenceClassification(config).to(device).train(), tok, "sequence-classification"
+    tok = modeling.train_tokenizer("tiny-gpt2", (t for t, _ in texts(2000)))
+    size = {"n_embd": 256, "n_layer": 4, "n_head": 4} if name == "gpt2" else {}  # gpt2-small: GPT-2's own
+    config = GPT2Config(
+        vocab_size=max(len(tok), 50257 if name == "gpt2-small" else 0),
+        pad_token_id=tok.pad_token_id,
+        attn_implementation="sdpa",
+        **size,
+    )
+    return GPT2LMHeadModel(config).to(device).train(), tok, "causal-lm"
 
 
-def ort_wrap(model: torch.nn.Module) -> torch.nn.Module:
-    from trainer_core.ort_trainer import wrap  # applies the torch 2.13 compat layer, fallback disabled
-
-    return wrap(model)  # type: ignore[no-any-return]
-
-
-BACKENDS: dict[str, Callable[[torch.nn.Module], tuple[torch.nn.Module, dict[str, Any]]]] = {
-    "eager_adamw": lambda m: (m, {}),
-    "fused_adamw": lambda m: (m, {"fused": True}),
-    "torch_compile": lambda m: (torch.compile(m), {}),  # type: ignore[dict-item]
-    "ort": lambda m: (ort_wrap(m), {}),
-}
-
-
-def step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[dict[str, torch.Tensor]], float]:
-    def step(b: dict[str, torch.Tensor]) -> float:
-        out = model(**b)
-        loss = out["loss"] if isinstance(out, dict) else out[0]
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return step
+def batches(
+    tok: Any, task: str, n: int, batch: int, max_len: int, device: str
+) -> list[dict[str, torch.Tensor]]:
+    items = []
+    for text, label in texts(n * batch, seed=1):
+        ids = tok(text, truncation=True, max_length=max_len)["input_ids"]
+        items.append({"input_ids": ids, "labels": label if task == "sequence-classification" else ids})
+    order = list(data.BucketSampler([len(i["input_ids"]) for i in items], batch, seed=1))
+    collate = data.Collator(tok.pad_token_id, task)
+    out = [collate([items[i] for i in order[k : k + batch]]) for k in range(0, n * batch, batch)]
+    return [{k: v.to(device) for k, v in b.items()} for b in out]
 
 
-def matmul_peak(device: str, n: int = 2048, reps: int = 10) -> float:
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    for _ in range(2):
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_peak(device: str, dtype: torch.dtype) -> float:
+    n, reps = (8192, 20) if device == "cuda" else (2048, 10)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
         a @ b
     sync(device)
     t0 = time.perf_counter()
@@ -87,63 +131,151 @@ def matmul_peak(device: str, n: int = 2048, reps: int = 10) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+class Row:
+    """One way to train a fresh copy of the model: its step, its setup cost and what it computes in."""
+
+    def __init__(self, name: str, model_name: str, device: str, job_steps: int, warm: list[Any]) -> None:
+        self.name, self.device = name, device
+        model, tok, self.task = build(model_name, device)
+        self.pad_id = tok.pad_token_id
+        self.info: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        bf16 = name.endswith("bf16")
+        fused = name in ("fused_bf16", "compile_bf16")
+        module: Any = model
+        if name == "auto":
+            bf16, fused, module = self._auto(model, job_steps, warm)
+        elif name.startswith("ort"):
+            if bf16 and device != "cuda":
+                raise RuntimeError(
+                    "ORT training on CPU runs fp32 only (its CPU kernels have no bf16 training)"
+                )
+            problem = backends.ort_problem(_spec("ort", "fp32"), cuda=device == "cuda")
+            if problem:
+                raise RuntimeError(problem)
+            from trainer_core.ort_trainer import wrap
+
+            model.set_attn_implementation("eager")
+            module = wrap(model)
+        elif name == "compile_bf16":
+            module = torch.compile(model)
+        self.dtype = torch.bfloat16 if bf16 else None
+        self.module, self.model = module, model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if fused else {}))
+        for batch in warm:  # warm-up: allocator, kernel choice, and compile or export
+            self.step(batch)
+        sync(device)
+        self.info["setup_s"] = time.perf_counter() - t0 - self.info.get("measure_s", 0.0)
+        self.info["precision"] = "bf16" if bf16 else "fp32"
+
+    def _auto(self, model: Any, job_steps: int, warm: list[Any]) -> tuple[bool, bool, Any]:
+        cuda = self.device == "cuda"
+        spec = _spec("auto", "auto")
+        chosen = precision.choose(spec, cuda=cuda)
+        spec = spec.model_copy(update={"precision": chosen.used})
+        choice = backends.choose(spec, cuda=cuda)
+        module = model
+        if choice.needs_measurement:
+            t0 = time.perf_counter()
+            figures = backends.measure(
+                model,
+                warm[:3],
+                micro_steps=job_steps,
+                autocast_dtype=torch.bfloat16 if chosen.used == "bf16" else None,
+            )
+            self.info["measure_s"] = time.perf_counter() - t0
+            choice = backends.decided(choice, figures, cuda)
+            module = figures.get("ort_module") or model
+        self.info |= {"picked": f"{choice.used} {chosen.used} {choice.optim}", "reason": choice.reason}
+        return chosen.used == "bf16", choice.optim == "adamw_torch_fused", module
+
+    def step(self, batch: dict[str, torch.Tensor]) -> float:
+        with torch.autocast(self.device, dtype=self.dtype, enabled=self.dtype is not None):
+            out = self.module(**batch)
+        loss = out["loss"] if isinstance(out, dict) else out[0]
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
 
 
-def run(device: str, batch: int, seq: int, steps: int, warmup: int, rounds: int) -> dict[str, Any]:
-    data = batches(steps + warmup, batch, seq, device, seed=1)
-    ready: dict[str, tuple[Callable[[dict[str, torch.Tensor]], float], int]] = {}
+def _spec(backend: str, prec: str) -> TrainingSpec:
+    return TrainingSpec(
+        job_id="bench",
+        task="sequence-classification",
+        model="bench",
+        train_file="-",
+        labels=[0, 1],
+        output_dir="-",
+        backend=backend,  # type: ignore[arg-type]
+        precision=prec,  # type: ignore[arg-type]
+        hyperparameters=Hyperparameters().resolved(1000),
+    )
+
+
+def run_model(
+    model_name: str,
+    device: str,
+    batch: int,
+    max_len: int,
+    steps: int,
+    warmup: int,
+    rounds: int,
+    job_steps: int,
+) -> dict[str, Any]:
+    _, tok, task = build(model_name, "cpu")
+    all_batches = batches(tok, task, warmup + steps, batch, max_len, device)
+    warm, timed = all_batches[:warmup], all_batches[warmup:]
+    ready: dict[str, Row] = {}
     unavailable: dict[str, str] = {}
-    losses: dict[str, list[float]] = {}
-    reference = make_model(0, device)
-    params = sum(p.numel() for p in reference.parameters())
-    # FLOPs count matmul work only: embedding lookups cost none, so their parameters are left out.
-    matmul_params = sum(p.numel() for n, p in reference.named_parameters() if "embeddings" not in n)
-    for name, wrap in BACKENDS.items():
+    for name in ROWS:
         try:
-            model = make_model(0, device)
-            wrapped, opt_kw = wrap(model)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **opt_kw)
-            step = step_fn(wrapped, opt)
-            losses[name] = [step(b) for b in data[:warmup]]  # warm-up: compile, export, allocator
-            ready[name] = (step, 0)
-        except Exception as exc:  # a backend that cannot run here is reported, not hidden
+            ready[name] = Row(name, model_name, device, job_steps, warm)
+        except Exception as exc:  # a row that cannot run here is reported, not hidden
             unavailable[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     times: dict[str, list[float]] = {name: [] for name in ready}
     for _ in range(rounds):
-        for name, (step, _) in ready.items():
+        for name, row in ready.items():
             sync(device)
             t0 = time.perf_counter()
-            for b in data[warmup:]:
-                losses[name].append(step(b))
+            for b in timed:
+                row.step(b)
             sync(device)
             times[name].append(time.perf_counter() - t0)
-    peak = matmul_peak(device)
+    first = next(iter(ready.values()))
+    # matmul work only: lookups cost none (GPT-2's tied wte is also its LM head, a matmul, so it counts)
+    params = sum(
+        p.numel() for n, p in first.model.named_parameters() if "embeddings" not in n and "wpe" not in n
+    )
+    peaks = {"fp32": matmul_peak(device, torch.float32), "bf16": matmul_peak(device, torch.bfloat16)}
+    samples = batch * steps
+    real = sum(int(b["attention_mask"].sum()) for b in timed)
+    padded = sum(b["attention_mask"].numel() for b in timed)
     results: dict[str, Any] = {}
     for name, ts in times.items():
-        sps = batch * steps / statistics.median(ts)
-        results[name] = {
-            "samples_per_s": sps,
-            "tokens_per_s": sps * seq,
-            "mfu": 6 * matmul_params * sps * seq / peak,
-            "loss_after_warmup": losses[name][warmup - 1],
+        row = ready[name]
+        median = statistics.median(ts)
+        results[name] = row.info | {
+            "samples_per_s": samples / median,
+            "tokens_per_s": real / median,
+            "mfu": 6 * params * padded / median / peaks[row.info["precision"]],
+            "spread": (max(ts) - min(ts)) / median,
             "rounds_s": ts,
         }
-    eager = results.get("eager_adamw", {}).get("samples_per_s")
+        if name == "auto":
+            per_step = median / steps + row.info.get("measure_s", 0.0) / job_steps
+            results[name]["samples_per_s_with_measure"] = batch / per_step
+    del ready
+    gc.collect()
+    base = results.get("eager_fp32", {}).get("samples_per_s")
     for r in results.values():
-        r["ratio_to_eager"] = r["samples_per_s"] / eager if eager else None
+        r["ratio"] = r["samples_per_s"] / base if base else None
     return {
-        "device": device,
-        "torch": torch.__version__,
-        "batch": batch,
-        "seq": seq,
-        "steps": steps,
-        "rounds": rounds,
-        "parameters": params,
-        "matmul_parameters": matmul_params,
-        "matmul_peak_flops": peak,
+        "model": model_name,
+        "matmul_parameters": params,
+        "padding_fraction": 1 - real / padded,
+        "mean_length": real / samples,
+        "peaks_flops": peaks,
         "results": results,
         "unavailable": unavailable,
     }
@@ -152,19 +284,37 @@ def run(device: str, batch: int, seq: int, steps: int, warmup: int, rounds: int)
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"### train_backends ({report['device']}, torch {report['torch']}, batch {report['batch']}, "
-        f"seq {report['seq']}, {report['parameters']:,} parameters)",
-        "",
-        "| backend | samples/s | tokens/s | ratio to eager | MFU |",
-        "| --- | --- | --- | --- | --- |",
+        f"texts up to {report['max_len']} tokens, {report['steps']} steps x {report['rounds']} rounds)",
     ]
-    for name, r in report["results"].items():
-        lines.append(
-            f"| {name} | {r['samples_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
-            f"{r['ratio_to_eager']:.2f}x | {r['mfu'] * 100:.1f}% |"
-        )
-    for name, why in report["unavailable"].items():
-        lines.append(f"| {name} | not run: {why} | | | |")
-    lines.append(f"\nmatmul peak measured in this run: {report['matmul_peak_flops'] / 1e9:.1f} GFLOP/s")
+    for m in report["models"]:
+        peaks = m["peaks_flops"]
+        lines += [
+            "",
+            f"**{m['model']}** ({m['matmul_parameters']:,} matmul parameters, mean length "
+            f"{m['mean_length']:.0f} tokens, padding {m['padding_fraction']:.1%}; measured peaks fp32 "
+            f"{peaks['fp32'] / 1e9:,.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:,.0f} GFLOP/s)",
+            "",
+            "| row | samples/s | tokens/s | ratio to eager fp32 | MFU (its peak) | spread | setup |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for name, r in m["results"].items():
+            lines.append(
+                f"| {name} | {r['samples_per_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['ratio']:.2f}x | "
+                f"{r['mfu'] * 100:.1f}% {r['precision']} | {r['spread']:.0%} | {r['setup_s']:.1f}s |"
+            )
+        for name, why in m["unavailable"].items():
+            lines.append(f"| {name} | not run: {why} | | | | | |")
+        auto = m["results"].get("auto")
+        if auto:
+            fastest = max(m["results"].values(), key=lambda r: r["samples_per_s"])
+            slowest = min(m["results"].values(), key=lambda r: r["samples_per_s"])
+            lines.append(
+                f"\nauto picked {auto['picked']}: {auto['reason'] or 'as requested'}; "
+                f"{auto.get('samples_per_s_with_measure', auto['samples_per_s']):.1f} samples/s counting its "
+                f"measuring over a {report['job_steps']}-step job; "
+                f"{auto['samples_per_s'] / fastest['samples_per_s']:.2f}x the fastest row"
+                f"{', the slowest row' if auto is slowest else ''}"
+            )
     return "\n".join(lines)
 
 
@@ -173,19 +323,36 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--models", default="small-bert,minilm,gpt2")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--max-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--job-steps", type=int, default=2000, help="the job auto's measuring is spread over")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
-    report = run(args.device, args.batch, args.seq, args.steps, args.warmup, args.rounds)
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "batch": args.batch,
+        "max_len": args.max_len,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "job_steps": args.job_steps,
+        "models": [],
+    }
+    run: Callable[[str], dict[str, Any]] = lambda name: run_model(  # noqa: E731
+        name, args.device, args.batch, args.max_len, args.steps, args.warmup, args.rounds, args.job_steps
+    )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "train_backends.json").write_text(json.dumps(report, indent=2))
-    summary = markdown(report)
-    (args.out / "train_backends.md").write_text(summary + "\n")
-    print(summary)
+    for name in args.models.split(","):
+        report["models"].append(run(name))
+        # written after each model, so a run stopped at its time limit keeps what it measured
+        (args.out / "train_backends.json").write_text(json.dumps(report, indent=2))
+        summary = markdown(report)
+        (args.out / "train_backends.md").write_text(summary + "\n")
+        print(summary, flush=True)
 
 
 if __name__ == "__main__":

@@ -109,13 +109,20 @@ def submit(
     every `every` steps."""
     train = client.upload(write_jsonl(tmp / "train.jsonl", rows(n_rows)))
     return client.create_job(
-        model="tiny-bert",
-        training_file=train["id"],
-        backend="torch",
-        seed=5,
-        checkpoint_every_steps=every,
-        hyperparameters={"max_steps": steps, "batch_size": 8, "learning_rate": 1e-3, "max_seq_length": 32},
-        **extra,
+        **{
+            "model": "tiny-bert",
+            "training_file": train["id"],
+            "backend": "torch",
+            "seed": 5,
+            "checkpoint_every_steps": every,
+            "hyperparameters": {
+                "max_steps": steps,
+                "batch_size": 8,
+                "learning_rate": 1e-3,
+                "max_seq_length": 32,
+            },
+        }
+        | extra
     )
 
 

@@ -67,14 +67,14 @@ def choose(spec: TrainingSpec, *, cuda: bool) -> BackendChoice:
     kept = spec.backend_decided if spec.backend == "auto" else None
     if spec.backend == "torch":
         choice = BackendChoice("torch", "torch")
+    elif kept is not None and not (kept["used"] == "ort" and problem):
+        why = "decided by this job's first attempt; kept so the engine never changes mid-job"
+        reason = kept["reason"] if why in kept["reason"] else f"{kept['reason']} ({why})"  # a third attempt
+        choice = BackendChoice("auto", kept["used"], reason)
     elif problem and problem == _precision_problem(spec, cuda=cuda):
         choice = BackendChoice("auto", "torch", f"PyTorch: {problem}")  # the precision's choice, not a fault
     elif problem:
         choice = BackendChoice("auto", "torch", f"fell back to PyTorch: {problem}")
-    elif kept is not None:
-        why = "decided by this job's first attempt; kept so the engine never changes mid-job"
-        reason = f"{kept['reason']} ({why})"
-        choice = BackendChoice("auto", kept["used"], reason)
     elif spec.backend == "auto" and spec.distributed.world_size > 1:
         # every rank timing its own steps could pick differently, and mixed backends would deadlock
         choice = BackendChoice(

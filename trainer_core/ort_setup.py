@@ -5,12 +5,18 @@
    `c10::intrusive_ptr`, `PyNode::obj` became `pyobj()`, `THPFunction::cdata` is no longer a weak pointer,
    and libtorch_python no longer exports `tensor_fromDLPack` or PyNode's type info);
 3. the extensions are built (what `python -m torch_ort.configure` did; torch-ort itself is not needed);
-4. a two-step ORTModule smoke run with fallback disabled proves ORT really trains.
+4. a two-step ORTModule smoke run with fallback disabled proves ORT really trains, on the GPU when there is
+   one.
+
+On a CUDA build (the GPU image sets ONNXRUNTIME_FORCE_CUDA=1, since an image build sees no GPU) the CUDA
+extensions (fused_ops: ORT's FusedAdam; torch_gpu_allocator) are built and checked too, with nvcc, which must
+be the CUDA of the torch wheel (docker/worker-gpu.Dockerfile; tests/kernel/test_images.py holds the pins).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,15 +70,16 @@ from transformers import BertConfig, BertForSequenceClassification
 torch.manual_seed(0)
 config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                     intermediate_size=64, num_labels=2, attn_implementation="eager")
-model = BertForSequenceClassification(config).train()
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model = BertForSequenceClassification(config).train().to(device)
 ort_model = ORTModule(model)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-ids = torch.randint(5, 100, (4, 8))
+ids = torch.randint(5, 100, (4, 8), device=device)
 for _ in range(2):
-    labels = torch.tensor([0, 1, 0, 1])
+    labels = torch.tensor([0, 1, 0, 1], device=device)
     loss = ort_model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
     loss.backward(); opt.step(); opt.zero_grad()
-print("ok", float(loss.detach()))
+print("ok", float(loss.detach()), "on", device)
 """
 
 
@@ -90,9 +97,13 @@ def extensions_dir() -> Path:
         raise SetupError("onnxruntime is not installed")
     path = Path(spec.origin).parent / "training" / "ortmodule" / "torch_cpp_extensions"
     if not path.is_dir():
+        import torch
+
+        wanted = "onnxruntime-training" if torch.cuda.is_available() else "onnxruntime-training-cpu"
         raise SetupError(
-            f"{Path(spec.origin).parent} is an inference-only onnxruntime; "
-            f"install onnxruntime-training-cpu=={ORT_VERSION} (ortune setup-ort --install)"
+            f"{Path(spec.origin).parent} is an inference-only onnxruntime; install {wanted}=={ORT_VERSION} "
+            f"(ortune setup-ort --install; it has wheels for Python 3.11 only"
+            f"{', and links CUDA 11.8' if wanted == 'onnxruntime-training' else ''})"
         )
     return path
 
@@ -120,8 +131,20 @@ def patch_sources(ext_dir: Path) -> list[str]:
     return changed
 
 
+def wants_cuda() -> bool:
+    """Whether the CUDA extensions must be built: a CUDA torch with a GPU, or an image build that says so."""
+    import torch
+
+    return bool(os.environ.get("ONNXRUNTIME_FORCE_CUDA")) or (
+        torch.version.cuda is not None and torch.cuda.is_available()
+    )
+
+
 def built(ext_dir: Path) -> bool:
-    return all(any(ext_dir.glob(f"{name}*.so")) for name in ("aten_op_executor", "torch_interop_utils"))
+    names = ["aten_op_executor", "torch_interop_utils"]
+    if wants_cuda():
+        names += ["fused_ops", "torch_gpu_allocator"]
+    return all(any(ext_dir.glob(f"{name}*.so")) for name in names)
 
 
 def build(ext_dir: Path) -> None:

@@ -15,6 +15,7 @@ from ortune.cli import embedded
 from ortune.cli.client import Client
 from ortune.settings import Settings
 from tests.support import TERMINAL, events, rows, wait_for, write_jsonl
+from trainer_core import precision
 
 pytestmark = pytest.mark.e2e
 
@@ -40,6 +41,10 @@ def test_classification_job_end_to_end(service: Client, tmp_path: Path) -> None:
     done = wait_for(service, job["id"], TERMINAL)
     assert done["status"] == "succeeded", done["error"]
     assert done["backend_used"] == "torch" and done["progress"] == {"step": 6, "total_steps": 6}
+    # precision auto: bf16 mixed precision where this CPU computes bf16 natively, and the job says why
+    native = precision.native_bf16(cuda=False)
+    assert (done["precision"], done["precision_used"]) == ("auto", "bf16" if native else "fp32")
+    assert done["precision_reason"] and (native is None or native in done["precision_reason"])
     assert done["fine_tuned_model"] == f"ft:tiny-bert:ortune:{job['id']}"
     assert done["result"]["onnx_max_abs_diff"] <= 1e-3 and done["trained_tokens"] > 0
 
@@ -191,7 +196,11 @@ def test_broken_ort_install_fails_backend_ort_with_the_reason(
         assert done["error"]["code"] == "BackendUnavailable"
         assert "simulated broken onnxruntime-training build" in done["error"]["message"]
         auto = client.create_job(
-            model="tiny-bert", training_file=train["id"], backend="auto", hyperparameters={"max_steps": 2}
+            model="tiny-bert",
+            training_file=train["id"],
+            backend="auto",
+            precision="fp32",  # the precision ORT can run on CPU, so that only the broken install is left
+            hyperparameters={"max_steps": 2},
         )
         done = wait_for(client, auto["id"], TERMINAL)
         assert done["status"] == "succeeded", done["error"]

@@ -58,7 +58,7 @@ def test_killed_worker_resumes_from_its_last_checkpoint(settings: Settings, tmp_
     every, total = 20, 240
     with embedded.start(s, log_dir=tmp_path / "logs") as running:
         client = Client(s.api_url)
-        job = submit(client, tmp_path, total, every)
+        job = submit(client, tmp_path, total, every, backend="auto")
         wait_until("two checkpoints", lambda: len(checkpoints(client, job["id"])) >= 2)
         first_worker = running.procs[0]
         trainer = wait_until("the trainer process", lambda: trainers_of(job["id"]))
@@ -88,6 +88,10 @@ def test_killed_worker_resumes_from_its_last_checkpoint(settings: Settings, tmp_
         second_steps = [e["data"]["step"] for e in log[log.index(resumed) :] if e["type"] == "metrics"]
         assert min(second_steps) == start + 1
         assert_steps_contiguous(client, job["id"], total)
+        # auto decided once: the second attempt trains on the first attempt's engine, without measuring again
+        first, second = [e["data"] for e in log if e["message"].startswith("Backend:")]
+        assert second["used"] == first["used"] and second["figures"] == {}
+        assert "decided by this job's first attempt" in second["reason"]
 
 
 def test_too_many_lost_attempts_fail_the_job(settings: Settings, tmp_path: Path) -> None:

@@ -188,3 +188,23 @@ def test_a_job_that_can_never_fit_is_refused_at_submit(settings: Settings) -> No
         assert fits.status_code == 200 and fits.json()["distributed"]["procs_per_node"] == 2
         nodes = client.get("/v1/nodes").json()["data"]
         assert [(n["id"], n["devices"], n["free_devices"]) for n in nodes] == [("a", 2, 2)]
+
+
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_a_single_process_trainer_sees_only_the_gpu_it_was_given(settings: Settings) -> None:
+    """Without CUDA_VISIBLE_DEVICES a one-process trainer on a 2-GPU node saw both, and the Trainer wrapped it
+    in DataParallel, doubling its batch. (No GPU here: the environment the trainer would get is checked.)"""
+    from worker import attempt
+
+    with session_scope(settings.database_url) as session:
+        NodeRepository(session).register(
+            settings.node_name, kind="cuda", devices=2, address="127.0.0.1", queue="q", worker="w:1"
+        )
+    first, second, third = add_jobs(settings, [(1, 1, 0)] * 3)
+    claims = [attempt.claim(settings, job_id) for job_id in (first, second)]
+    assert [c.device_env if c else None for c in claims] == [
+        {"CUDA_VISIBLE_DEVICES": "0"},
+        {"CUDA_VISIBLE_DEVICES": "1"},
+    ]
+    assert attempt.claim(settings, third) is None  # both GPUs held: it waits
+    assert attempt.device_env("cpu", [0]) == {"CUDA_VISIBLE_DEVICES": ""}  # a CPU node's trainer sees none
