@@ -8,6 +8,7 @@ from pathlib import Path
 
 BENCHMARKS = [
     "bench.train_backends",
+    "bench.demo_precision",
     "bench.service_overhead",
     "bench.api_load",
     "bench.artifact_io",
