@@ -79,6 +79,10 @@ class Unavailable(APIError):
     type = "server_error"
 
 
+# Postgres: lock_timeout (lock_not_available) and statement_timeout (query_canceled) ran out
+BUSY = ("55P03", "57014")
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -181,6 +185,17 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(OperationalError)
     async def _db_down(_: Request, exc: OperationalError) -> JSONResponse:
+        if getattr(exc.orig, "sqlstate", None) in BUSY:
+            return JSONResponse(
+                body(
+                    "the database is busy: this request waited longer than the API's lock or statement "
+                    "timeout; retry shortly",
+                    code="database_busy",
+                    type="server_error",
+                ),
+                status_code=503,
+                headers={"Retry-After": "1"},
+            )
         return JSONResponse(
             body(
                 "the database is unavailable; retry shortly", code="database_unavailable", type="server_error"

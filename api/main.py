@@ -17,6 +17,7 @@ from api.deps import Reader
 from api.observability import JobCollector, RequestMetrics
 from api.routes import admin, dashboard, files, health, jobs, models, nodes
 from ortune import __version__
+from ortune.db.session import limit_postgres_sessions
 from ortune.settings import Settings, get_settings
 from ortune.storage import open_store
 
@@ -41,6 +42,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Managed fine-tuning jobs in OpenAI's REST shapes, trained with ONNX Runtime.",
     )
     app.state.settings = settings
+    limit_postgres_sessions(
+        settings.database_url,
+        {
+            "lock_timeout": settings.api_lock_timeout_ms,
+            "statement_timeout": settings.api_statement_timeout_ms,
+            "idle_in_transaction_session_timeout": settings.api_idle_in_transaction_timeout_ms,
+        },
+    )
     app.state.store = open_store(
         settings.storage_url,
         access_key=settings.s3_access_key,

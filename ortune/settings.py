@@ -54,6 +54,11 @@ class Settings(BaseSettings):
     max_steps: int = 1_000_000
     max_concurrent_jobs: int = Field(default=16, ge=1, description="Unfinished jobs per tenant at once.")
     idempotency_key_hours: float = 24.0
+    # Bounds on every API connection to Postgres, so that no request can hold or wait on a lock for ever:
+    # a write that waits longer than lock_timeout on another's row is answered (409/503), not stalled.
+    api_lock_timeout_ms: int = Field(default=5_000, ge=1)
+    api_statement_timeout_ms: int = Field(default=30_000, ge=1)
+    api_idle_in_transaction_timeout_ms: int = Field(default=60_000, ge=1)
 
     # Reliability: a running attempt beats every heartbeat_seconds; one silent for heartbeat_timeout_seconds
     # is lost and its job requeued (resuming from its last checkpoint) until max_attempts attempts are lost.

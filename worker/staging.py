@@ -4,6 +4,7 @@ the `TrainingSpec` the trainer reads."""
 from __future__ import annotations
 
 import os
+import shutil
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ from ortune.db.models import File, Job, JobStatus
 from ortune.db.repositories import CheckpointRepository, EventRepository, JobRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
-from ortune.storage import ObjectStore, open_store
+from ortune.storage import ObjectStore, open_store, sha256_file
 from trainer_core import datastore, registry, rows
 from trainer_core.spec import TrainingSpec
 from worker.stores import Store, fetch, stores_of, wait_for
@@ -30,8 +31,14 @@ def store_of(settings: Settings) -> ObjectStore:
     )
 
 
+# What a trainer never needs and must not see: it reads its staged folder and writes events, so the database
+# and broker URLs (with their passwords), the API keys and the storage credentials stay with the worker.
+WITHHELD_PREFIXES = ("ORTUNE_", "AWS_", "PG", "CELERY_", "REDIS_")
+
+
 def trainer_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    kept = {k: v for k, v in os.environ.items() if not k.startswith(WITHHELD_PREFIXES)}
+    return kept | {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def attempt_dir(settings: Settings, job: Job) -> Path:
@@ -135,6 +142,32 @@ def _attempt_lives(settings: Settings, job: Job) -> bool:
     return status in (JobStatus.running, JobStatus.paused)
 
 
+class CorruptCheckpoint(RuntimeError):
+    """A stored checkpoint that is not what was stored: refused before anything in it is unpacked."""
+
+
+def _unpack(store: ObjectStore, target: Path, keys: list[str], sha256: str) -> Path:
+    """Fetch a checkpoint's archives and unpack them into `target`; the main archive's sha256 is checked
+    first, since a resume unpickles the optimizer and RNG state it holds."""
+    shutil.rmtree(target, ignore_errors=True)
+    for n, key in enumerate(keys):
+        archive = target.parent / f"resume-{n}.tar"
+        store.get_to_path(key, archive)
+        if n == 0 and (got := sha256_file(archive)) != sha256:
+            archive.unlink()
+            raise CorruptCheckpoint(
+                f"checkpoint {key} failed its sha256 check (stored {sha256[:12]}…, read {got[:12]}…); "
+                "it was not unpacked"
+            )
+        with tarfile.open(archive) as tar:
+            tar.extractall(target, filter="data")  # refuses absolute paths, links out and device files
+        archive.unlink()
+    found = next(target.glob("checkpoint-*"), None)
+    if found is None:
+        raise CorruptCheckpoint(f"checkpoint archive {keys[0]} holds no checkpoint-* directory")
+    return found
+
+
 def resume_point(
     settings: Settings, store: ObjectStore, job: Job, workdir: Path, *, lead: bool = True
 ) -> str | None:
@@ -145,23 +178,25 @@ def resume_point(
     nodes = job.spec.distributed.nodes
     with session_scope(settings.database_url) as session:
         complete = [
-            c for c in CheckpointRepository(session).newest_first(job.id) if len(c.parts or []) >= nodes - 1
+            (c.step, c.sha256, [c.object_key, *(c.parts or [])])
+            for c in CheckpointRepository(session).newest_first(job.id)
+            if len(c.parts or []) >= nodes - 1
         ]
-        if not complete:
-            if job.attempt > 1 and lead:
-                EventRepository(session).add(job.id, "No checkpoint stored yet: this attempt starts over")
-            return None
-        step, keys = complete[0].step, [complete[0].object_key, *(complete[0].parts or [])]
-    target = workdir / "resume"
-    for n, key in enumerate(keys):
-        archive = workdir / f"resume-{n}.tar"
-        store.get_to_path(key, archive)
-        with tarfile.open(archive) as tar:
-            tar.extractall(target, filter="data")  # refuses absolute paths, links out and device files
-        archive.unlink()
-    found = next(target.glob("checkpoint-*"), None)
+    found: Path | None = None
+    step = 0
+    for checkpoint_step, sha256, keys in complete:
+        try:
+            found, step = _unpack(store, workdir / "resume", keys, sha256), checkpoint_step
+            break
+        except CorruptCheckpoint as exc:  # never unpacked: the next older checkpoint is tried
+            if lead:
+                with session_scope(settings.database_url) as session:
+                    EventRepository(session).add(job.id, str(exc), level="warn")
     if found is None:
-        raise RuntimeError(f"checkpoint archive {keys[0]} holds no checkpoint-* directory")
+        if job.attempt > 1 and lead:
+            with session_scope(settings.database_url) as session:
+                EventRepository(session).add(job.id, "No checkpoint stored yet: this attempt starts over")
+        return None
     if lead:
         with session_scope(settings.database_url) as session:
             EventRepository(session).add(

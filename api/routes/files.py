@@ -3,19 +3,25 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 from sqlalchemy.orm import Session
 
 from api.auth import CallerDep
+from api.caller import Caller
 from api.deps import ReadDep, SessionDep, SettingsDep, StoreDep
 from api.errors import ERRORS
 from api.schemas import FileDeleted, FileObject, Page, page
 from api.services import files, idempotency
 from api.services.uploads import receive
 from ortune.db.base import new_id
+from ortune.db.models import File
 from ortune.db.repositories import FileRepository
+from ortune.db.session import session_scope
+from ortune.settings import Settings
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=ERRORS)
+ENDPOINT = "POST /v1/files"
 
 UPLOAD_BODY = {
     "requestBody": {
@@ -39,37 +45,48 @@ UPLOAD_BODY = {
 
 @router.post("", response_model=FileObject, openapi_extra=UPLOAD_BODY)
 async def upload_file(
-    request: Request,
-    response: Response,
-    session: SessionDep,
-    store: StoreDep,
-    settings: SettingsDep,
-    caller: CallerDep,
+    request: Request, response: Response, store: StoreDep, settings: SettingsDep, caller: CallerDep
 ) -> FileObject:
     """Upload a JSONL or CSV training file (multipart, streamed to storage and checked row by row). With an
     `Idempotency-Key`, a retry of the same upload returns the file the first one created."""
     key = idempotency.key_of(request)
     upload = await receive(request, settings.job_work_dir / "uploads", settings.max_upload_bytes)
+    digest = idempotency.fingerprint(upload.sha256, upload.filename, sorted(upload.fields.items()))
+    # No transaction is open across an await, and every database call runs in a worker thread: a request
+    # waiting on a lock never holds up the event loop, and so never the other requests.
     try:
+        replayed = await run_in_threadpool(_replay, settings, caller, key, digest)
+        if replayed is None:
+            file = await files.check_and_store(store, settings, caller, upload, new_id("file"))
+    finally:
+        if upload.path is not None:
+            upload.path.unlink(missing_ok=True)
+    if replayed is None:
+        recorded = await run_in_threadpool(_record, settings, caller, key, digest, file)
+        if recorded is file:
+            return FileObject.of(file)
+        # a request with the same key recorded its file first: this copy is not needed
+        await run_in_threadpool(store.delete, file.object_key)
+        replayed = recorded
+    idempotency.mark_replayed(response)
+    return FileObject.of(replayed)
+
+
+def _replay(settings: Settings, caller: Caller, key: str | None, digest: str) -> File | None:
+    with session_scope(settings.database_url) as session:
+        found = idempotency.replay(session, settings, caller, key, endpoint=ENDPOINT, digest=digest)
+        return None if found is None else files.get(session, caller, found)
+
+
+def _record(settings: Settings, caller: Caller, key: str | None, digest: str, file: File) -> File:
+    """The key and the file's row in one short transaction; the file a same-key request recorded first."""
+    with session_scope(settings.database_url) as session:
         claim = idempotency.claim(
-            session,
-            settings,
-            caller,
-            key,
-            endpoint="POST /v1/files",
-            digest=idempotency.fingerprint(upload.sha256, upload.filename, sorted(upload.fields.items())),
-            new_id=new_id("file"),
+            session, settings, caller, key, endpoint=ENDPOINT, digest=digest, new_id=file.id
         )
-    except BaseException:
-        if upload.path is not None:
-            upload.path.unlink(missing_ok=True)
-        raise
-    if claim.existing is not None:
-        if upload.path is not None:
-            upload.path.unlink(missing_ok=True)
-        idempotency.mark_replayed(response)
-        return FileObject.of(files.get(session, caller, claim.existing))
-    return FileObject.of(await files.create(session, store, settings, caller, upload, claim.resource_id))
+        if claim.existing is not None:
+            return files.get(session, caller, claim.existing)
+        return FileRepository(session).add(file)
 
 
 @router.get("", response_model=Page[FileObject])

@@ -11,7 +11,6 @@ from sqlalchemy.orm import Session
 from api.caller import Caller
 from api.errors import APIError, Conflict, NotFound
 from api.services.uploads import Upload
-from ortune.db.base import new_id
 from ortune.db.models import File, FileStatus
 from ortune.db.repositories import FileRepository
 from ortune.settings import Settings
@@ -46,14 +45,11 @@ def _validate_form(upload: Upload) -> tuple[str, str, str | None]:
     return purpose, fmt, task
 
 
-async def create(
-    session: Session,
-    store: ObjectStore,
-    settings: Settings,
-    caller: Caller,
-    upload: Upload,
-    file_id: str | None = None,
+async def check_and_store(
+    store: ObjectStore, settings: Settings, caller: Caller, upload: Upload, file_id: str
 ) -> File:
+    """Check the upload row by row and put it in storage, off the event loop and outside any transaction;
+    the file's row, not yet added to a session. The upload's temporary file is gone afterwards."""
     try:
         purpose, fmt, task = _validate_form(upload)
         assert upload.path is not None and upload.filename is not None
@@ -66,14 +62,13 @@ async def create(
             task=task,
             max_chars=settings.max_row_chars,
         )
-        file_id = file_id or new_id("file")
         key = f"files/{file_id}.{fmt}"
         await asyncio.to_thread(store.put_path, key, path)
     finally:
         if upload.path is not None:
             upload.path.unlink(missing_ok=True)
     labels = sorted(report.labels, key=str) if report.kind == "text_label" else None
-    file = File(
+    return File(
         id=file_id,
         tenant_id=caller.tenant_id,
         filename=Path(upload.filename).name[:255] or "upload",
@@ -87,7 +82,6 @@ async def create(
         row_count=report.rows,
         labels=labels,
     )
-    return FileRepository(session).add(file)
 
 
 def get(session: Session, caller: Caller, file_id: str) -> File:

@@ -1,9 +1,11 @@
 """`Idempotency-Key` on creates: a retried request with the same key and body gets the resource the first
 one made, never a second one.
 
-The key row is written first, in the transaction that creates the resource: of two requests racing on one
-key, the second waits on the primary key and then finds the first one's row (or fails with 409 if it cannot
-be read yet). A key reused with a different body is refused; keys expire after `idempotency_key_hours`.
+The key row is written in the transaction that creates the resource, after the slow work (an upload's check
+and storage) is done outside any transaction: of two requests racing on one key, the second waits on the
+primary key, in a worker thread and at most the API's lock_timeout, then finds the first one's row (or gets
+409 with Retry-After while it cannot be read yet). A key reused with a different body is refused; keys
+expire after `idempotency_key_hours`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from fastapi import Request, Response
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from api.caller import Caller
@@ -26,6 +28,7 @@ from ortune.db.repositories import IdempotencyRepository
 from ortune.settings import Settings
 
 HEADER = "Idempotency-Key"
+LOCK_NOT_AVAILABLE = "55P03"  # Postgres: lock_timeout ran out
 REPLAYED = "Idempotent-Replayed"
 
 
@@ -70,6 +73,17 @@ def _existing(
     return row.resource_id
 
 
+def replay(
+    session: Session, settings: Settings, caller: Caller, key: str | None, *, endpoint: str, digest: str
+) -> str | None:
+    """The resource a finished request with this key made, or None: a read, taking no lock, so that a retry
+    is answered before its work is done again."""
+    if key is None:
+        return None
+    row = IdempotencyRepository(session).get(caller.tenant_id, key)
+    return None if row is None else _existing(session, settings, row, endpoint, digest)
+
+
 def claim(
     session: Session,
     settings: Settings,
@@ -90,7 +104,17 @@ def claim(
         tenant_id=caller.tenant_id, key=key, endpoint=endpoint, request_sha256=digest, resource_id=new_id
     )
     try:
-        keys.add(row)
+        keys.add(row)  # waits, at most the API's lock_timeout, while a request with this key commits
+    except OperationalError as exc:
+        if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+            raise
+        session.rollback()
+        raise Conflict(
+            f"a request with {HEADER} {key!r} is in progress; retry it shortly",
+            param=HEADER,
+            code="idempotency_key_in_use",
+            headers={"Retry-After": "1"},
+        ) from None
     except IntegrityError:  # a concurrent request with this key committed first
         session.rollback()
         row = keys.get(caller.tenant_id, key)

@@ -113,6 +113,7 @@ def create(
         distributed=dist,
         hyperparameter_search=req.hyperparameter_search,
     )
+    _check_length(spec, train.row_count or 0, settings.max_steps)
     _check_quota(session, settings, caller)
     job = Job(
         id=job_id or new_id("ftjob"),
@@ -156,6 +157,22 @@ def _check_fits(session: Session, dist: Distributed, batch_size: int | str, sear
     reason = never_fits(NodeRepository(session).all(), dist.nodes, dist.procs_per_node)
     if reason is not None:
         raise APIError(f"this job can never be placed: it {reason}", param="distributed", code="cannot_fit")
+
+
+def _check_length(spec: JobSpec, rows: int, limit: int) -> None:
+    """Without max_steps a job runs epochs x rows / batch optimizer steps: that too is held to the limit."""
+    hp = spec.resolved_hyperparameters
+    if hp.max_steps is not None:
+        return
+    steps = -(-rows // hp.batch_size) * hp.n_epochs // hp.gradient_accumulation_steps
+    if steps > limit:
+        raise APIError(
+            f"this job would train {steps:,} steps ({hp.n_epochs} epochs of {rows:,} rows in batches of "
+            f"{hp.batch_size}), over this deployment's limit of {limit:,}; set max_steps, fewer epochs or a "
+            "larger batch",
+            param="hyperparameters.n_epochs",
+            code="limit_exceeded",
+        )
 
 
 def _check_quota(session: Session, settings: Settings, caller: Caller) -> None:

@@ -44,6 +44,25 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True, **POOL)
 
 
+def limit_postgres_sessions(url: str, limits: dict[str, int]) -> None:
+    """Set `limits` (`lock_timeout`, `statement_timeout`, `idle_in_transaction_session_timeout`, in ms) on
+    every connection this process opens to `url` from now on; the API calls it at start. SQLite: nothing."""
+    for engine in (session_factory(url).kw["bind"], read_session_factory(url).kw["bind"]):
+        if engine.dialect.name != "postgresql":
+            return
+
+        def apply(dbapi_conn: Any, _record: Any) -> None:
+            # in autocommit: a SET inside a transaction that is later rolled back would be undone with it
+            dbapi_conn.autocommit = True
+            with dbapi_conn.cursor() as cur:
+                for name, ms in limits.items():
+                    cur.execute(f"SET {name} = {int(ms)}")
+            dbapi_conn.autocommit = False
+
+        event.listen(engine.pool, "connect", apply)
+        engine.pool.dispose()  # connections opened before now get the limits too, as they are opened again
+
+
 @lru_cache(maxsize=8)
 def session_factory(url: str) -> sessionmaker[Session]:
     return sessionmaker(make_engine(url), expire_on_commit=False)

@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
 
 from api.services.artifacts import readahead
 from ortune.db.models import Artifact
@@ -152,8 +153,18 @@ def test_max_steps_limit(settings: Settings, train_file: dict[str, Any]) -> None
         response = create(
             client, model="tiny-bert", training_file=train_file["id"], hyperparameters={"max_steps": 11}
         )
+        # without max_steps, the steps the epochs imply are held to the same limit (360 rows / 8 x 3 = 135)
+        implied = create(
+            client,
+            model="tiny-bert",
+            training_file=train_file["id"],
+            hyperparameters={"n_epochs": 3, "batch_size": 8},
+        )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "hyperparameters.max_steps"
+    assert implied.status_code == 400, implied.text
+    error = implied.json()["error"]
+    assert error["code"] == "limit_exceeded" and "would train 135 steps" in error["message"]
 
 
 def test_cursor_pages(client: TestClient, train_file: dict[str, Any]) -> None:
@@ -284,12 +295,17 @@ def test_health_and_readiness(client: TestClient) -> None:
 def test_readiness_reports_a_dead_broker(settings: Settings) -> None:
     from api.main import create_app
 
-    broken = settings.model_copy(update={"broker_url": "redis://127.0.0.1:1/0"})
+    admin = "ortune-admin-readyz"
+    broken = settings.model_copy(
+        update={"broker_url": "redis://127.0.0.1:1/0", "admin_api_key": SecretStr(admin)}
+    )
     with TestClient(create_app(broken)) as client:
         ready = client.get("/readyz")
+        detailed = client.get("/readyz", headers={"Authorization": f"Bearer {admin}"})
     assert ready.status_code == 503 and ready.headers["retry-after"] == "5"
-    assert ready.json()["checks"]["broker"].startswith("error")
-    assert ready.json()["checks"]["database"] == "ok"
+    # anyone may ask; only an admin key learns why (the exception names hosts and ports)
+    assert ready.json()["checks"] == {"database": "ok", "broker": "error", "storage": "ok"}
+    assert detailed.json()["checks"]["broker"].startswith("error: ") and "127.0.0.1" in detailed.text
 
 
 def test_unknown_route_is_openai_shaped(client: TestClient) -> None:

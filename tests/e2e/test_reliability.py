@@ -62,6 +62,8 @@ def test_killed_worker_resumes_from_its_last_checkpoint(settings: Settings, tmp_
         wait_until("two checkpoints", lambda: len(checkpoints(client, job["id"])) >= 2)
         first_worker = running.procs[0]
         trainer = wait_until("the trainer process", lambda: trainers_of(job["id"]))
+        # the trainer runs without the service's credentials (database URL, keys, storage secrets)
+        assert not [k for k in trainer[0].environ() if k.startswith(("ORTUNE_", "AWS_"))]
         first_worker.kill()  # SIGKILL: no shutdown code runs
         first_worker.wait()
         # its trainer dies with it (PR_SET_PDEATHSIG) instead of training on as an orphan

@@ -179,6 +179,7 @@ def test_a_job_that_can_never_fit_is_refused_at_submit(settings: Settings) -> No
         error = refused.json()["error"]
         assert error["code"] == "cannot_fit" and error["param"] == "distributed"
         assert "needs 2 node(s) with 1 device(s) each; 1 node(s) have that many" in error["message"]
+        assert "(1 registered, the largest with 2)" in error["message"] and "a (" not in error["message"]
         odd = client.post(
             "/v1/fine_tuning/jobs",
             json=body | {"distributed": {"procs_per_node": 2}, "hyperparameters": {"batch_size": 7}},

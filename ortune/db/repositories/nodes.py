@@ -78,8 +78,9 @@ def never_fits(nodes: Sequence[Node], nodes_wanted: int, procs_per_node: int) ->
     big_enough = [n for n in nodes if n.devices >= procs_per_node]
     if len(big_enough) >= nodes_wanted:
         return None
-    have = ", ".join(f"{n.name} ({n.devices} {n.device_kind})" for n in nodes) or "none registered"
+    # counts, not names: a tenant learns whether its job can fit, not the cluster's inventory
+    largest = max((n.devices for n in nodes), default=0)
     return (
         f"needs {nodes_wanted} node(s) with {procs_per_node} device(s) each; "
-        f"{len(big_enough)} node(s) have that many (nodes: {have})"
+        f"{len(big_enough)} node(s) have that many ({len(nodes)} registered, the largest with {largest})"
     )

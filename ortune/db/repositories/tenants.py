@@ -51,8 +51,13 @@ class TenantRepository(Repository):
         return tenant
 
     def lock(self, tenant_id: str) -> Tenant | None:
-        """Serialise a tenant's job creations (its quota check) on Postgres; SQLite writes one at a time."""
-        return self.session.scalars(select(Tenant).where(Tenant.id == tenant_id).with_for_update()).first()
+        """Serialise a tenant's job creations (its quota check) on Postgres; SQLite writes one at a time.
+
+        FOR NO KEY UPDATE, not FOR UPDATE: it still orders two creates, but leaves alone the KEY SHARE lock
+        that inserting a row referencing the tenant takes (a file upload's foreign-key check), which a
+        plain FOR UPDATE would make wait for the create's whole transaction."""
+        stmt = select(Tenant).where(Tenant.id == tenant_id).with_for_update(key_share=True)
+        return self.session.scalars(stmt).first()
 
     def unfinished_jobs(self, tenant_id: str) -> int:
         stmt = (

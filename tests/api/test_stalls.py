@@ -1,0 +1,158 @@
+"""No request can stall the API: concurrent same-key uploads, an upload beside a tenant's job create holding
+the quota lock, and a request stuck behind another's lock, each on Postgres against a real API process, with
+/healthz answering throughout."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import text
+
+from api.caller import ANONYMOUS
+from ortune.cli import embedded
+from ortune.db.models import IdempotencyKey
+from ortune.db.repositories import TenantRepository
+from ortune.db.session import session_scope
+from ortune.settings import Settings
+from ortune.storage import open_store
+from tests.support import rows, write_jsonl
+
+pytestmark = pytest.mark.parametrize("settings", ["production"], indirect=True)
+
+
+@contextmanager
+def api(settings: Settings, tmp: Path) -> Iterator[str]:
+    with embedded.start(settings, worker=False, log_dir=tmp / "logs"):
+        yield settings.api_url
+
+
+def upload(url: str, path: Path, key: str | None = None) -> httpx.Response:
+    with path.open("rb") as fh:
+        return httpx.post(
+            f"{url}/v1/files",
+            files={"file": (path.name, fh)},
+            data={"purpose": "fine-tune"},
+            headers={"Idempotency-Key": key} if key else {},
+            timeout=60,
+        )
+
+
+def while_healthy(url: str, work: list[Callable[[], Any]]) -> tuple[list[Any], float]:
+    """Run `work` at once, polling /healthz until all of it is done; the results and the slowest poll."""
+    slowest = 0.0
+    with ThreadPoolExecutor(len(work)) as pool:
+        futures: list[Future[Any]] = [pool.submit(w) for w in work]
+        while not all(f.done() for f in futures):
+            t0 = time.perf_counter()
+            assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200  # a stalled loop times out here
+            slowest = max(slowest, time.perf_counter() - t0)
+            time.sleep(0.05)
+        return [f.result(timeout=60) for f in futures], slowest
+
+
+def stored_files(settings: Settings) -> list[str]:
+    store: Any = open_store(
+        settings.storage_url,
+        access_key=settings.s3_access_key,
+        secret_key=settings.s3_secret_key,
+        region=settings.s3_region,
+    )
+    listed = store.client.list_objects_v2(Bucket=store.bucket, Prefix="files/")
+    return [o["Key"] for o in listed.get("Contents", [])]
+
+
+def test_two_uploads_with_one_key_at_once_make_one_file_and_never_stall(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """What a client retrying after a timeout does: before the fix the second request's key insert waited on
+    the first one's open transaction on the event loop, and the first could never finish: both hung, and so
+    did /healthz."""
+    big = write_jsonl(tmp_path / "big.jsonl", rows(360) * 150)  # ~54k rows: the check and store take a while
+    with api(settings, tmp_path) as url:
+        (first, second), slowest = while_healthy(
+            url, [lambda: upload(url, big, "retry-1"), lambda: upload(url, big, "retry-1")]
+        )
+        assert first.status_code == second.status_code == 200, (first.text, second.text)
+        assert first.json()["id"] == second.json()["id"]
+        assert [r.headers.get("idempotent-replayed") for r in (first, second)].count("true") == 1
+        assert len(httpx.get(f"{url}/v1/files").json()["data"]) == 1
+    assert slowest < 2.0, f"/healthz took {slowest:.1f}s while the uploads ran"
+    assert stored_files(settings) == [f"files/{first.json()['id']}.jsonl"]  # the loser's copy is deleted
+
+
+def test_an_upload_beside_a_job_create_holding_the_quota_lock_goes_through(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A job create locks its tenant's row for its quota check; before the fix that lock (FOR UPDATE) also
+    blocked the foreign-key check of a file insert for the same tenant, on the event loop."""
+    small = write_jsonl(tmp_path / "t.jsonl", rows(32))
+    held = threading.Event()
+    release = threading.Event()
+
+    def create_holding_the_lock() -> None:
+        with session_scope(settings.database_url) as session:
+            TenantRepository(session).lock(ANONYMOUS.tenant_id)  # what POST /v1/fine_tuning/jobs takes
+            held.set()
+            release.wait(10)
+
+    with api(settings, tmp_path) as url:
+        holder = threading.Thread(target=create_holding_the_lock)
+        holder.start()
+        try:
+            assert held.wait(10)
+            t0 = time.perf_counter()
+            (response,), _ = while_healthy(url, [lambda: upload(url, small)])
+            took = time.perf_counter() - t0
+        finally:
+            release.set()
+            holder.join()
+    assert response.status_code == 200, response.text
+    assert took < 5, f"the upload waited {took:.1f}s on the quota lock"
+
+
+def test_a_request_stuck_behind_anothers_lock_is_answered_within_the_lock_timeout(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A transaction that holds a key's row and never ends (a stuck client, a crashed process) makes a
+    same-key request wait at most `api_lock_timeout_ms`, then answers 409 with Retry-After."""
+    s = settings.model_copy(update={"api_lock_timeout_ms": 500})
+    small = write_jsonl(tmp_path / "t.jsonl", rows(32))
+    with session_scope(s.database_url) as session, api(s, tmp_path) as url:
+        session.add(
+            IdempotencyKey(
+                tenant_id=ANONYMOUS.tenant_id,
+                key="stuck",
+                endpoint="POST /v1/files",
+                request_sha256="0" * 64,
+                resource_id="file-stuck",
+            )
+        )
+        session.flush()  # the row is written and locked, never committed while the request runs
+        (response,), slowest = while_healthy(url, [lambda: upload(url, small, "stuck")])
+        assert response.status_code == 409, response.text
+        assert response.json()["error"]["code"] == "idempotency_key_in_use"
+        assert response.headers["retry-after"] == "1"
+        session.rollback()
+        limits = session.execute(text("SHOW lock_timeout")).scalar()
+    assert slowest < 2.0
+    assert limits == "0"  # the test's own session is not the API's: only the API's connections are bounded
+
+
+def test_every_api_connection_is_bounded(settings: Settings) -> None:
+    from ortune.db.session import limit_postgres_sessions
+
+    names = ("lock_timeout", "statement_timeout", "idle_in_transaction_session_timeout")
+    limit_postgres_sessions(settings.database_url, dict(zip(names, (1234, 5678, 9012), strict=True)))
+    with session_scope(settings.database_url) as session:
+        session.execute(text("SELECT 1"))
+        session.rollback()  # a SET made inside a transaction would be undone by this
+        shown = [session.execute(text(f"SHOW {name}")).scalar() for name in names]
+    assert shown == ["1234ms", "5678ms", "9012ms"]

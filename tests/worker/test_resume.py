@@ -1,0 +1,70 @@
+"""A resume unpacks only a checkpoint whose bytes are the ones stored: a tampered or damaged archive is
+refused before anything in it is unpickled, and the next older checkpoint is used."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ortune.db.base import new_id
+from ortune.db.models import Checkpoint, Job, JobEvent, JobStatus
+from ortune.db.repositories import CheckpointRepository
+from ortune.db.session import session_scope
+from ortune.settings import Settings
+from ortune.storage import pack_dir
+from tests.support import job_spec, processed_file
+from worker.staging import resume_point, store_of
+
+
+def stored_job(settings: Settings, tmp: Path, steps: list[int]) -> Job:
+    store = store_of(settings)
+    with session_scope(settings.database_url) as session:
+        job = Job(
+            id=new_id("ftjob"),
+            model="tiny-bert",
+            task="sequence-classification",
+            training_file_id=processed_file(session).id,
+            status=JobStatus.running,
+            spec=job_spec(),
+            seed=1,
+            attempt=2,
+            backend_requested="torch",
+            world_size=1,
+        )
+        session.add(job)
+        session.flush()
+        for step in steps:
+            folder = tmp / f"c{step}" / f"checkpoint-{step}"
+            folder.mkdir(parents=True)
+            (folder / "trainer_state.json").write_text(f'{{"global_step": {step}}}')
+            size, digest = pack_dir(folder, tmp / f"c{step}.tar")
+            key = f"jobs/{job.id}/checkpoints/{step}.tar"
+            store.put_path(key, tmp / f"c{step}.tar")
+            CheckpointRepository(session).add(
+                Checkpoint(
+                    id=new_id("ftckpt"), job_id=job.id, step=step, object_key=key, bytes=size, sha256=digest
+                )
+            )
+        return job
+
+
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_a_damaged_checkpoint_is_not_unpacked_and_the_older_one_resumes(
+    settings: Settings, tmp_path: Path
+) -> None:
+    job = stored_job(settings, tmp_path, [10, 20])
+    store = store_of(settings)
+    tampered = tmp_path / "tampered.tar"
+    tampered.write_bytes(b"\0" * 1024)  # what a damaged or replaced object would read as
+    store.put_path(f"jobs/{job.id}/checkpoints/20.tar", tampered)
+
+    found = resume_point(settings, store, job, tmp_path / "work")
+    assert found is not None and Path(found).name == "checkpoint-10"
+    with session_scope(settings.database_url) as session:
+        messages = [e.message for e in session.query(JobEvent).filter_by(job_id=job.id)]
+    assert any("20.tar failed its sha256 check" in m and "not unpacked" in m for m in messages)
+    assert any(m.startswith("Resuming from the checkpoint at step 10") for m in messages)
+
+    store.put_path(f"jobs/{job.id}/checkpoints/10.tar", tampered)
+    assert resume_point(settings, store, job, tmp_path / "work2") is None  # nothing usable: start over
