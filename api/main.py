@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from api import errors
 from api.auth import KeyCache
 from api.deps import Reader
+from api.limits import BodyLimit
 from api.observability import JobCollector, RequestMetrics
 from api.routes import admin, dashboard, files, health, jobs, models, nodes
 from ortune import __version__
@@ -60,6 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.reader = Reader(settings.database_url)
     app.state.metrics = CollectorRegistry()
     app.state.metrics.register(JobCollector(settings.database_url))
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
     app.add_middleware(RequestMetrics, registry=app.state.metrics)
     errors.install(app)
     for module in (files, jobs, models, admin, nodes, health, dashboard):

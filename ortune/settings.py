@@ -49,6 +49,7 @@ class Settings(BaseSettings):
     api_key_cache_seconds: float = 30.0  # how long an API process trusts a key lookup (revocation lag)
 
     max_upload_bytes: int = 512 * MiB
+    max_request_bytes: int = Field(default=1 * MiB, ge=1024)  # any other request body (JSON)
     max_rows: int = 2_000_000
     max_row_chars: int = Field(default=1 * MiB, ge=1024)  # one JSONL line, or one line of a CSV file
     max_steps: int = 1_000_000

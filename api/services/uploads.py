@@ -16,6 +16,9 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from api.errors import APIError, PayloadTooLarge
 
 MAX_FIELD_BYTES = 64 * 1024
+# An upload needs three parts (file, purpose, task): a body of many small parts is refused before it can
+# grow the fields kept (python-multipart itself caps a part's header size).
+MAX_PARTS = 16
 
 
 @dataclass
@@ -39,9 +42,17 @@ class _Parts:
         self._buf = bytearray()
         self._fh: Any = None
         self._digest = hashlib.sha256()
+        self._parts = 0
 
     def on_part_begin(self) -> None:
         self._headers, self._buf = {}, bytearray()
+        self._parts += 1
+        if self._parts > MAX_PARTS:
+            raise APIError(
+                f"the upload has more than {MAX_PARTS} parts; send a 'file' part and a 'purpose' field",
+                param="file",
+                code="invalid_upload",
+            )
 
     def on_header_field(self, data: bytes, start: int, end: int) -> None:
         self._hname += data[start:end]

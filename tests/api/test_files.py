@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +202,39 @@ def test_malformed_multipart_is_400_not_500(client: TestClient) -> None:
         response.json()["error"]["code"] == "invalid_upload"
         and "malformed" in response.json()["error"]["message"]
     )
+
+
+def test_a_body_of_many_parts_or_a_huge_part_header_is_refused(client: TestClient) -> None:
+    boundary = "b0undary"
+
+    def post(parts: list[str]) -> Any:
+        content = "".join(f"--{boundary}\r\n{p}\r\n" for p in parts) + f"--{boundary}--\r\n"
+        return client.post(
+            "/v1/files",
+            content=content.encode(),
+            headers={"content-type": f"multipart/form-data; boundary={boundary}"},
+        )
+
+    field = 'Content-Disposition: form-data; name="f{}"\r\n\r\nx'
+    many = post([field.format(i) for i in range(1000)])
+    assert many.status_code == 400 and "more than 16 parts" in many.json()["error"]["message"]
+    huge = post([f'Content-Disposition: form-data; name="{"n" * 20_000}"\r\n\r\nx'])
+    assert huge.status_code == 400 and "Maximum header size exceeded" in huge.json()["error"]["message"]
+
+
+def test_a_json_body_over_the_limit_is_413_declared_or_chunked(client: TestClient) -> None:
+    big = b'{"model": "tiny-bert", "training_file": "' + b"f" * (2 * 1024 * 1024) + b'"}'
+    declared = client.post("/v1/fine_tuning/jobs", content=big, headers={"content-type": "application/json"})
+    assert declared.status_code == 413, declared.text
+    assert "ORTUNE_MAX_REQUEST_BYTES" in declared.json()["error"]["message"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit is counted as it arrives
+        for i in range(0, len(big), 64 * 1024):
+            yield big[i : i + 64 * 1024]
+
+    chunked = client.post(
+        "/v1/fine_tuning/jobs", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert chunked.status_code == 413, chunked.text
+    assert chunked.json()["error"]["code"] == "payload_too_large"
+    assert "chunked request body" in chunked.json()["error"]["message"]
