@@ -15,7 +15,7 @@ app = celery_app()
 import worker.tasks  # noqa: E402,F401  (registers the tasks on app)
 from worker import distributed  # noqa: E402
 from worker.attempt import DRAINING  # noqa: E402
-from worker.sweep import Sweeper  # noqa: E402
+from worker.sweep import Sweeper, reap_predecessors  # noqa: E402
 
 _sweeper: list[Sweeper] = []
 
@@ -30,6 +30,7 @@ def _declare_queues(**_: Any) -> None:
 @worker_ready.connect
 def _start_sweep(**_: Any) -> None:
     distributed.register(get_settings())
+    reap_predecessors(get_settings())
     sweeper = Sweeper(get_settings())
     sweeper.start()
     _sweeper.append(sweeper)

@@ -8,6 +8,8 @@
 - A running search whose nudge was lost is nudged again.
 - Idempotency keys past their lifetime are dropped.
 
+A worker that starts also reaps at once the attempts of dead workers on its own host (`reap_predecessors`).
+
 Every worker runs one in a thread; on Postgres, `FOR UPDATE SKIP LOCKED` lets sweeps of several workers
 share the rows instead of racing for them.
 """
@@ -15,6 +17,7 @@ share the rows instead of racing for them.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -29,6 +32,7 @@ from ortune.db.session import session_scope
 from ortune.queue import enqueue_for, on_commit
 from ortune.settings import Settings
 from worker import scheduler
+from worker.attempt import WORKER
 
 log = logging.getLogger(__name__)
 FRESH_S = 10.0  # a job queued this recently may still be on its way to the broker
@@ -42,10 +46,10 @@ class Report:
     expired_keys: int = 0
 
 
-def _lost(session: Session, settings: Settings, job: Job, report: Report) -> None:
+def _lost(session: Session, settings: Settings, job: Job, report: Report, *, gone: bool = False) -> None:
     silent = (utcnow() - job.heartbeat_at).total_seconds() if job.heartbeat_at else float("inf")
     NodeRepository(session).release_attempt(job.id, job.attempt)  # its devices are free again
-    moved = lifecycle.requeue_lost(session, settings, job, silent)
+    moved = lifecycle.requeue_lost(session, settings, job, silent, gone=gone)
     if moved == JobStatus.failed:
         report.failed.append(job.id)
     elif moved == JobStatus.queued:
@@ -78,6 +82,33 @@ def sweep(settings: Settings) -> Report:
         report.expired_keys = IdempotencyRepository(session).expire_before(cutoff)
     if report.requeued or report.failed or report.resent:
         log.info("sweep: %s", report)
+    return report
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def reap_predecessors(settings: Settings) -> Report:
+    """At a worker's start: the running attempts of workers of this host whose process is gone are lost now,
+    not after `heartbeat_timeout_seconds` (a service restarted after a crash trained again only a minute
+    later). A worker with this one's own name (a container restarted with the same hostname and pid) is
+    gone too."""
+    host, _, _ = WORKER.rpartition(":")
+    report = Report()
+    with session_scope(settings.database_url) as session:
+        for job in JobRepository(session).running_on_host(host):
+            pid = (job.worker or "").rpartition(":")[2]
+            if job.worker == WORKER or (pid.isdigit() and not _alive(int(pid))):
+                _lost(session, settings, job, report, gone=True)
+    if report.requeued or report.failed:
+        log.info("reaped the attempts of dead workers on %s: %s", host, report)
     return report
 
 

@@ -96,6 +96,26 @@ def test_killed_worker_resumes_from_its_last_checkpoint(settings: Settings, tmp_
         assert "decided by this job's first attempt" in second["reason"]
 
 
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_a_worker_restarted_on_the_host_of_a_dead_one_takes_its_job_back_at_once(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """kill -9 of the worker, then a new worker on the same host: its attempt is reaped when the new worker
+    starts, not after the heartbeat timeout (10 minutes here, so only the start-up reaping can requeue it)."""
+    s = settings.model_copy(update=FAST_SWEEP | {"heartbeat_timeout_seconds": 600.0})
+    with embedded.start(s, log_dir=tmp_path / "logs") as running:
+        client = Client(s.api_url)
+        job = submit(client, tmp_path, 200, 20)
+        wait_until("a checkpoint", lambda: len(checkpoints(client, job["id"])) >= 1)
+        running.procs[0].kill()
+        running.procs[0].wait()
+        with worker_process(s, "second", tmp_path / "logs" / "worker2.log"):
+            done = wait_for(client, job["id"], TERMINAL, timeout=300)
+        lost = next(e for e in events(client, job["id"]) if "lost" in e["message"])
+    assert done["status"] == "succeeded" and done["attempt"] == 2, done["error"]
+    assert "is gone (a new worker on its host found its process dead)" in lost["message"]
+
+
 def test_too_many_lost_attempts_fail_the_job(settings: Settings, tmp_path: Path) -> None:
     s = settings.model_copy(update=FAST_SWEEP | {"max_attempts": 1})
     with embedded.start(s, log_dir=tmp_path / "logs") as running:

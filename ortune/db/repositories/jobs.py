@@ -86,6 +86,12 @@ class JobRepository(Repository):
         )
         return self.session.scalars(stmt.with_for_update(skip_locked=True)).all()
 
+    def running_on_host(self, host: str) -> Sequence[Job]:
+        """Running attempts held by a worker of `host` (workers are named `host:pid`), locked (others
+        skipped)."""
+        stmt = select(Job).where(Job.status == JobStatus.running, Job.worker.like(f"{host}:%"))
+        return self.session.scalars(stmt.with_for_update(skip_locked=True)).all()
+
     def unsent(self, created_before: datetime, sent_before: datetime) -> Sequence[Job]:
         """Jobs waiting on a message that may never have reached a worker, locked (others skipped): queued
         jobs, and running searches (no worker of their own), that were never sent and are not brand new,
