@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import IO, Any
 
+from sqlalchemy.exc import OperationalError
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
 from ortune.db.base import utcnow
 from ortune.db.models import JobStatus
 from ortune.db.repositories import EventRepository, JobRepository, MetricRepository
@@ -64,8 +67,11 @@ class Batch:
 class Relay:
     """Accumulates events and writes them in one transaction per flush; says whether the job was cancelled."""
 
-    def __init__(self, database_url: str, job_id: str, attempt: int | None = None) -> None:
+    def __init__(
+        self, database_url: str, job_id: str, attempt: int | None = None, *, patience_s: float = 0.0
+    ) -> None:
         self.url, self.job_id, self.attempt = database_url, job_id, attempt
+        self.patience_s = patience_s  # how long a flush waits out a database that does not answer
         self.batch = Batch()
 
     def message(self, message: str, *, level: str = "info", data: dict[str, Any] | None = None) -> None:
@@ -143,8 +149,24 @@ class Relay:
 
     def flush(self) -> JobStatus | None:
         """Write what is pending and beat the heartbeat; returns the job's current status (None once the
-        job has moved on to another attempt than this relay's)."""
-        batch, self.batch = self.batch, Batch()
+        job has moved on to another attempt than this relay's).
+
+        A database that does not answer (a restart, a failover) is retried with backoff for `patience_s`;
+        the batch stays pending until it is written, so nothing is lost. Past that the OperationalError is
+        raised: the caller gives the attempt up, as the sweep would once its heartbeat stopped."""
+        retrying = Retrying(
+            retry=retry_if_exception_type(OperationalError),
+            wait=wait_exponential(multiplier=0.2, max=5),
+            stop=stop_after_delay(self.patience_s),
+            reraise=True,
+        )
+        for attempt in retrying:
+            with attempt:
+                status = self._write(self.batch)
+        self.batch = Batch()
+        return status
+
+    def _write(self, batch: Batch) -> JobStatus | None:
         with session_scope(self.url) as session:
             EventRepository(session).add_many(batch.events)
             MetricRepository(session).add_many(self.job_id, batch.points)

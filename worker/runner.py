@@ -11,6 +11,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from sqlalchemy.exc import OperationalError
+
 from ortune.db.models import Job, JobStatus
 from ortune.db.repositories import EventRepository
 from ortune.db.session import session_scope
@@ -40,6 +42,14 @@ def run(settings: Settings, job_id: str) -> str:
         if outcome.status == JobStatus.running:
             outcome = TrainerProcess(settings, store, job, staged.spec, env=claimed.device_env).run()
         keep_built(settings, store, job, staged)  # the stores the trainer built as it started
+    except OperationalError:
+        # The database stayed away past the relay's patience: like a lost heartbeat, not a failed job. The
+        # trainer is already dead; once the database is back the sweep requeues the job (its heartbeat
+        # stopped) and frees the device.
+        log.warning("job %s: lost the database; its attempt is left to the sweep", job_id, exc_info=True)
+        heartbeat.stop()
+        clear(settings, attempt_dir(settings, job), staged)
+        return "lost"
     except Exception as exc:
         log.exception("job %s failed in the worker", job_id)
         outcome = Outcome.worker_error(exc)

@@ -89,7 +89,9 @@ class TrainerProcess:
         self.abort_when = abort_when
         # How to ask the trainer to checkpoint and stop (a pause, a drain): SIGTERM to its process group.
         self.stop = stop or (lambda proc: signal_group(proc, signal.SIGTERM))
-        self.relay = Relay(settings.database_url, job.id, job.attempt)
+        self.relay = Relay(
+            settings.database_url, job.id, job.attempt, patience_s=settings.heartbeat_timeout_seconds / 2
+        )
         self.artifacts: set[str] = set()
         self.result: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
@@ -108,7 +110,15 @@ class TrainerProcess:
             assert proc.stdout is not None
             events: queue.Queue[dict[str, Any] | None] = queue.Queue()
             thread = reader(proc.stdout, events, log_file)
-            stopped = self._pump(proc, events)
+            try:
+                stopped = self._pump(proc, events)
+            except BaseException:
+                # whatever failed here (the database gone past the relay's patience, storage refusing a
+                # write), the trainer and its whole group go first: never a trainer orphaned on the device
+                signal_group(proc, signal.SIGKILL)
+                proc.wait()
+                watch.stop()
+                raise
             thread.join(timeout=5)
             code = proc.wait()
             self.peak_memory = watch.stop()
@@ -271,7 +281,11 @@ class TrainerProcess:
         # so after a lost attempt the events say exactly which steps the next attempt redoes.
         self.relay.flush()
         key = f"jobs/{self.job.id}/checkpoints/step-{step}.tar"
-        size, digest = self._store_dir(path, f"checkpoint-{step}", key)
+        try:
+            size, digest = self._store_dir(path, f"checkpoint-{step}", key)
+        except FileNotFoundError:  # the Trainer rotated it away while it was being packed
+            self.relay.message(f"checkpoint at step {step} was rotated away while packed", level="warn")
+            return
         metrics = {k: v for k, v in (event.get("metrics") or {}).items() if isinstance(v, int | float)}
         with session_scope(self.settings.database_url) as session:
             CheckpointRepository(session).add(

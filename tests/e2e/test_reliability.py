@@ -325,3 +325,38 @@ def test_a_read_after_a_database_restart_succeeds_at_once(tmp_path: Path) -> Non
             again = client.get(path)
             assert again.status_code == 200, again.text
             assert again.json()["id"] == path.rsplit("/", 1)[1]
+
+
+def test_a_database_outage_past_the_relays_patience_kills_the_trainer_and_requeues_the_job(
+    tmp_path: Path,
+) -> None:
+    """Postgres goes away mid-training for longer than the relay waits (heartbeat_timeout / 2): the worker
+    kills its trainer (never an orphan on the device), does not fail the job, and once the database is
+    back the sweep requeues it and it succeeds on its second attempt."""
+    cluster = services.PostgresCluster(tmp_path / "pg")
+    cluster.start()
+    try:
+        url = services.create_database(cluster.url, "ortune")
+        s = Settings(
+            data_dir=tmp_path / "state",
+            database_url=url,
+            api_port=services.free_port(),
+            queue=f"ortune.test.outage.{services.free_port()}",
+            **FAST_SWEEP,
+        )
+        with embedded.start(s, log_dir=tmp_path / "logs"):
+            client = Client(s.api_url)
+            job = submit(client, tmp_path, 1000, 100)  # ~a minute of training: it cannot end by itself first
+            wait_until("training", lambda: client.job(job["id"])["progress"]["step"] > 5)
+            first = trainers_of(job["id"])
+            assert first
+            cluster.stop()
+            gone = wait_until("the trainer to be killed", lambda: not any(p.is_running() for p in first), 15)
+            cluster.start()
+            done = wait_for(client, job["id"], TERMINAL, timeout=300)
+            log = events(client, job["id"])
+        assert gone and done["status"] == "succeeded", done["error"]
+        assert done["attempt"] == 2
+        assert any("lost" in e["message"] and e["level"] == "warn" for e in log)
+    finally:
+        cluster.remove()
