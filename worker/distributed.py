@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from sqlalchemy.exc import OperationalError
 
 from ortune.db.models import Job, JobStatus
 from ortune.db.repositories import (
@@ -157,6 +158,10 @@ def _lead(
         outcome = process.run()
     except _Ended as ended:
         outcome = ended.outcome
+    except OperationalError:  # the database stayed away: like a lost heartbeat (see worker/runner.py)
+        log.warning("job %s: lost the database; its attempt is left to the sweep", job.id, exc_info=True)
+        heartbeat.stop()
+        return "lost"
     except Exception as exc:
         log.exception("job %s failed on rank 0", job.id)
         outcome = Outcome.worker_error(exc)
@@ -257,6 +262,28 @@ def _upload_last_parts(settings: Settings, store: ObjectStore, job: Job, workdir
         time.sleep(0.5)
 
 
+def _watch_ranks(
+    settings: Settings, job: Job, workdir: Path, rank: int, proc: subprocess.Popen[str], store: ObjectStore
+) -> None:
+    """Until this node's ranks exit: kill them when the job moves on, and upload their checkpoint parts. A
+    database that does not answer is waited out for half the heartbeat timeout, then raised."""
+    unreachable_since: float | None = None
+    while proc.poll() is None:
+        time.sleep(1.0)
+        try:
+            with session_scope(settings.database_url) as session:
+                status = JobRepository(session).status(job.id, attempt=job.attempt)
+        except OperationalError:
+            unreachable_since = unreachable_since or time.monotonic()
+            if time.monotonic() - unreachable_since > settings.heartbeat_timeout_seconds / 2:
+                raise
+            continue
+        unreachable_since = None
+        if status not in (JobStatus.running, JobStatus.paused):
+            signal_group(proc, signal.SIGKILL)
+        _upload_parts(settings, store, job, workdir, rank)
+
+
 def _follow(settings: Settings, job: Job, workdir: Path, command: list[str], task: dict[str, Any]) -> str:
     log_path, rank = workdir / "trainer.log", int(task["node_rank"])
     with log_path.open("w") as out:
@@ -266,13 +293,13 @@ def _follow(settings: Settings, job: Job, workdir: Path, command: list[str], tas
         )  # this node's ranks, under the same limit
         watch.start()
         store = store_of(settings)
-        while proc.poll() is None:
-            time.sleep(1.0)
-            with session_scope(settings.database_url) as session:
-                status = JobRepository(session).status(job.id, attempt=job.attempt)
-            if status not in (JobStatus.running, JobStatus.paused):
-                signal_group(proc, signal.SIGKILL)
-            _upload_parts(settings, store, job, workdir, rank)
+        try:
+            _watch_ranks(settings, job, workdir, rank, proc, store)
+        except BaseException:
+            signal_group(proc, signal.SIGKILL)  # never ranks orphaned on the devices
+            proc.wait()
+            watch.stop()
+            raise
         code = proc.wait()
         peak = watch.stop()
         if code == 0:
