@@ -191,6 +191,23 @@ def paused_stopped(session: Session, job: Job, attempt: int) -> bool:
     return True
 
 
+def pause_lost(session: Session, job: Job) -> bool:
+    """The worker checkpointing a paused job died: the job stays paused, let go of, and resumes from its
+    latest stored checkpoint."""
+    where, data = _resume_point(session, job.id, none="the start (no checkpoint stored)")
+    if not JobRepository(session).transition(
+        job.id, JobStatus.paused, only_from=[JobStatus.paused], on_attempt=job.attempt, worker=None
+    ):
+        return False
+    EventRepository(session).add(
+        job.id,
+        f"Paused; worker {job.worker} was lost while it checkpointed. Resume continues from {where}",
+        level="warn",
+        data=data,
+    )
+    return True
+
+
 def resume(session: Session, settings: Settings, job: Job) -> bool:
     """paused -> queued; the next attempt continues from the latest checkpoint."""
     if not JobRepository(session).transition(

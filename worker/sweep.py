@@ -5,6 +5,8 @@
   `max_attempts` lost attempts the job fails instead.
 - A queued job that no worker took (its message never reached the broker, or died with a Redis that was
   restarted) is sent again; the claim's compare-and-set makes a duplicate message harmless.
+- A paused job whose worker died while it checkpointed is let go of (it resumes from its latest checkpoint),
+  and devices still held by attempts that are over are freed.
 - A running search whose nudge was lost is nudged again.
 - Idempotency keys past their lifetime are dropped.
 
@@ -43,6 +45,8 @@ class Report:
     requeued: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     resent: list[str] = field(default_factory=list)
+    let_go: list[str] = field(default_factory=list)  # paused jobs whose pausing worker was lost
+    released: int = 0  # device assignments of attempts that were over
     expired_keys: int = 0
 
 
@@ -56,6 +60,12 @@ def _lost(session: Session, settings: Settings, job: Job, report: Report, *, gon
         report.requeued.append(job.id)
 
 
+def _pause_lost(session: Session, job: Job, report: Report) -> None:
+    NodeRepository(session).release_attempt(job.id, job.attempt)
+    if lifecycle.pause_lost(session, job):
+        report.let_go.append(job.id)
+
+
 def sweep(settings: Settings) -> Report:
     report = Report()
     now = utcnow()
@@ -63,6 +73,14 @@ def sweep(settings: Settings) -> Report:
         since = now - timedelta(seconds=settings.heartbeat_timeout_seconds)
         for job in JobRepository(session).silent_running(since):
             _lost(session, settings, job, report)
+        for job in JobRepository(session).silent_paused(since):
+            _pause_lost(session, job, report)
+        nodes = NodeRepository(session)
+        for assignment in nodes.stale():  # an attempt that ended without letting go of its devices
+            nodes.release(
+                assignment.job_id, assignment.attempt, assignment.node_name, exit_code=None, error="stale"
+            )
+            report.released += 1
 
     with session_scope(settings.database_url) as session:
         unsent = JobRepository(session).unsent(
@@ -80,7 +98,7 @@ def sweep(settings: Settings) -> Report:
     with session_scope(settings.database_url) as session:
         cutoff = now - timedelta(hours=settings.idempotency_key_hours)
         report.expired_keys = IdempotencyRepository(session).expire_before(cutoff)
-    if report.requeued or report.failed or report.resent:
+    if report.requeued or report.failed or report.resent or report.let_go or report.released:
         log.info("sweep: %s", report)
     return report
 
@@ -103,10 +121,13 @@ def reap_predecessors(settings: Settings) -> Report:
     host, _, _ = WORKER.rpartition(":")
     report = Report()
     with session_scope(settings.database_url) as session:
-        for job in JobRepository(session).running_on_host(host):
+        for job in JobRepository(session).held_on_host(host):
             pid = (job.worker or "").rpartition(":")[2]
             if job.worker == WORKER or (pid.isdigit() and not _alive(int(pid))):
-                _lost(session, settings, job, report, gone=True)
+                if job.status == JobStatus.paused:
+                    _pause_lost(session, job, report)
+                else:
+                    _lost(session, settings, job, report, gone=True)
     if report.requeued or report.failed:
         log.info("reaped the attempts of dead workers on %s: %s", host, report)
     return report

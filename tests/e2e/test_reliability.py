@@ -116,6 +116,39 @@ def test_a_worker_restarted_on_the_host_of_a_dead_one_takes_its_job_back_at_once
     assert "is gone (a new worker on its host found its process dead)" in lost["message"]
 
 
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_a_worker_killed_during_a_pause_checkpoint_leaves_no_stuck_pause_or_held_device(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """kill -9 of the worker as it starts the pause's checkpoint: the job stays paused but is let go of, its
+    device is freed (the node has one), a resume goes on from the last stored checkpoint and a new job is
+    placed too."""
+    s = settings.model_copy(update=FAST_SWEEP)
+    with embedded.start(s, log_dir=tmp_path / "logs") as running:
+        client = Client(s.api_url)
+        job = submit(client, tmp_path, 300, 20)
+        wait_until("a checkpoint", lambda: len(checkpoints(client, job["id"])) >= 1)
+        client.post(f"/v1/fine_tuning/jobs/{job['id']}/pause")
+        running.procs[0].kill()  # before the trainer's checkpoint is stored and the worker lets go
+        running.procs[0].wait()
+        with worker_process(s, "second", tmp_path / "logs" / "worker2.log"):
+            wait_until(
+                "the pause to be let go of",
+                lambda: any(
+                    "was lost while it checkpointed" in e["message"] for e in events(client, job["id"])
+                ),
+            )
+            assert client.job(job["id"])["status"] == "paused"
+            client.post(f"/v1/fine_tuning/jobs/{job['id']}/resume")
+            done = wait_for(client, job["id"], TERMINAL, timeout=300)
+            other = submit(client, tmp_path, 10, 5)
+            placed = wait_for(client, other["id"], TERMINAL, timeout=300)
+            nodes = client.get("/v1/nodes")["data"]
+    assert done["status"] == "succeeded" and done["attempt"] == 2, done["error"]
+    assert placed["status"] == "succeeded", placed["error"]
+    assert all(n["free_devices"] == n["devices"] and not n["running"] for n in nodes), nodes  # none held
+
+
 def test_too_many_lost_attempts_fail_the_job(settings: Settings, tmp_path: Path) -> None:
     s = settings.model_copy(update=FAST_SWEEP | {"max_attempts": 1})
     with embedded.start(s, log_dir=tmp_path / "logs") as running:

@@ -209,3 +209,24 @@ def test_a_single_process_trainer_sees_only_the_gpu_it_was_given(settings: Setti
     ]
     assert attempt.claim(settings, third) is None  # both GPUs held: it waits
     assert attempt.device_env("cpu", [0]) == {"CUDA_VISIBLE_DEVICES": ""}  # a CPU node's trainer sees none
+
+
+@pytest.mark.parametrize("settings", ["embedded", "production"], indirect=True)
+def test_the_sweep_frees_devices_of_attempts_that_are_over(settings: Settings) -> None:
+    from worker.sweep import sweep
+
+    add_nodes(settings, a=3)
+    finished, moved_on, running = add_jobs(settings, [(1, 1, 0)] * 3)
+    with session_scope(settings.database_url) as session:
+        for device, job_id in enumerate((finished, moved_on, running)):
+            session.add(Assignment(job_id=job_id, attempt=1, node_name="a", node_rank=0, device=device))
+        for job_id, status, attempt in (
+            (finished, JobStatus.succeeded, 1),
+            (moved_on, JobStatus.queued, 2),  # its attempt 1 was lost without releasing its device
+            (running, JobStatus.running, 1),
+        ):
+            job = session.get(Job, job_id)
+            assert job is not None
+            job.status, job.attempt = status, attempt
+    assert sweep(settings).released == 2
+    assert [(a.job_id, a.device) for a in live(settings)] == [(running, 2)]

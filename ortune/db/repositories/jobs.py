@@ -86,10 +86,20 @@ class JobRepository(Repository):
         )
         return self.session.scalars(stmt.with_for_update(skip_locked=True)).all()
 
-    def running_on_host(self, host: str) -> Sequence[Job]:
-        """Running attempts held by a worker of `host` (workers are named `host:pid`), locked (others
-        skipped)."""
-        stmt = select(Job).where(Job.status == JobStatus.running, Job.worker.like(f"{host}:%"))
+    def silent_paused(self, since: datetime) -> Sequence[Job]:
+        """Paused jobs still held by a worker (it was checkpointing them) that has not beaten since `since`,
+        locked (others skipped)."""
+        stmt = select(Job).where(
+            Job.status == JobStatus.paused, Job.worker.is_not(None), Job.heartbeat_at < since
+        )
+        return self.session.scalars(stmt.with_for_update(skip_locked=True)).all()
+
+    def held_on_host(self, host: str) -> Sequence[Job]:
+        """Running or paused attempts held by a worker of `host` (workers are named `host:pid`), locked
+        (others skipped)."""
+        stmt = select(Job).where(
+            Job.status.in_([JobStatus.running, JobStatus.paused]), Job.worker.like(f"{host}:%")
+        )
         return self.session.scalars(stmt.with_for_update(skip_locked=True)).all()
 
     def unsent(self, created_before: datetime, sent_before: datetime) -> Sequence[Job]:

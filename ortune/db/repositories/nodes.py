@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 
 from ortune.db.base import utcnow
-from ortune.db.models import Assignment, Node
+from ortune.db.models import Assignment, Job, JobStatus, Node
 from ortune.db.repositories.base import Repository
 
 
@@ -44,6 +44,19 @@ class NodeRepository(Repository):
         if node_names is not None:
             stmt = stmt.where(Assignment.node_name.in_(list(node_names)))
         return self.session.scalars(stmt.order_by(Assignment.node_name, Assignment.device)).all()
+
+    def stale(self) -> Sequence[Assignment]:
+        """Live assignments of attempts that are over: their job finished, or moved on to a later attempt."""
+        finished = (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
+        stmt = (
+            select(Assignment)
+            .join(Job, Job.id == Assignment.job_id)
+            .where(
+                Assignment.released_at.is_(None),
+                or_(Job.status.in_(finished), Assignment.attempt < Job.attempt),
+            )
+        )
+        return self.session.scalars(stmt).all()
 
     def of_attempt(self, job_id: str, attempt: int) -> Sequence[Assignment]:
         stmt = select(Assignment).where(Assignment.job_id == job_id, Assignment.attempt == attempt)
