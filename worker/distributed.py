@@ -38,7 +38,7 @@ from worker import attempt, runner
 from worker.attempt import WORKER, Claimed, Heartbeat, Outcome
 from worker.memory import MemoryWatch
 from worker.staging import Staged, stage, store_of
-from worker.trainer_process import TrainerProcess, launch, signal_group
+from worker.trainer_process import TrainerProcess, attempt_prefix, launch, signal_group
 
 log = logging.getLogger(__name__)
 FIRST_FAILURE_WAIT_S = 15.0  # how long rank 0 waits for the other nodes to report how their ranks ended
@@ -232,7 +232,7 @@ def _upload_parts(settings: Settings, store: ObjectStore, job: Job, workdir: Pat
             recorded = any(c.step == step for c in CheckpointRepository(session).newest_first(job.id))
         if not recorded:
             continue  # rank 0 is still saving (or uploading) it
-        key = f"jobs/{job.id}/checkpoints/step-{step}.node-{rank}.tar"
+        key = f"{attempt_prefix(job)}/checkpoints/step-{step}.node-{rank}.tar"
         archive = workdir / f"part-{step}.tar"
         pack_dir(path, archive)
         store.put_path(key, archive)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from ortune.db.models import JobStatus
 from ortune.db.repositories import EventRepository, JobRepository, MetricRepository
 from ortune.db.session import session_scope
 
+log = logging.getLogger(__name__)
 SERIES = (
     "train_loss",
     "eval_loss",
@@ -168,8 +170,20 @@ class Relay:
 
     def _write(self, batch: Batch) -> JobStatus | None:
         with session_scope(self.url) as session:
+            jobs = JobRepository(session)
+            if self.attempt is not None and not jobs.holds(self.job_id, self.attempt):
+                # fenced: a superseded attempt (a worker cut off while the job went on without it) writes
+                # nothing; the caller sees the status and stops its trainer
+                if batch.events or batch.points:
+                    log.warning(
+                        "job %s: dropped %d events and %d metric points of superseded attempt %s",
+                        self.job_id,
+                        len(batch.events),
+                        len(batch.points),
+                        self.attempt,
+                    )
+                return jobs.status(self.job_id, attempt=self.attempt)
             EventRepository(session).add_many(batch.events)
             MetricRepository(session).add_many(self.job_id, batch.points)
-            jobs = JobRepository(session)
             jobs.update(self.job_id, attempt=self.attempt, heartbeat_at=utcnow(), **batch.job)
             return jobs.status(self.job_id, attempt=self.attempt)

@@ -9,6 +9,7 @@ status back, so a cancel or a pause reaches the trainer within `event_flush_seco
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import signal
@@ -18,9 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.orm import Session
+
 from ortune.db.base import new_id
 from ortune.db.models import Artifact, Checkpoint, Job, JobStatus
-from ortune.db.repositories import ArtifactRepository, CheckpointRepository
+from ortune.db.repositories import ArtifactRepository, CheckpointRepository, JobRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from ortune.storage import ObjectStore, pack_dir
@@ -31,6 +34,14 @@ from worker.attempt import DRAINING, WORKER, Outcome
 from worker.memory import MemoryWatch
 from worker.relay import Relay, reader
 from worker.staging import trainer_env
+
+log = logging.getLogger(__name__)
+
+
+def attempt_prefix(job: Job) -> str:
+    """Where an attempt's objects go: one attempt never overwrites another's, even a superseded one that is
+    still running somewhere."""
+    return f"jobs/{job.id}/attempt-{job.attempt}"
 
 
 def signal_group(proc: subprocess.Popen[Any], sig: signal.Signals) -> None:
@@ -280,7 +291,7 @@ class TrainerProcess:
         # Events up to the checkpoint go in first: what the database shows never lags a stored checkpoint,
         # so after a lost attempt the events say exactly which steps the next attempt redoes.
         self.relay.flush()
-        key = f"jobs/{self.job.id}/checkpoints/step-{step}.tar"
+        key = f"{attempt_prefix(self.job)}/checkpoints/step-{step}.tar"
         try:
             size, digest = self._store_dir(path, f"checkpoint-{step}", key)
         except FileNotFoundError:  # the Trainer rotated it away while it was being packed
@@ -288,6 +299,8 @@ class TrainerProcess:
             return
         metrics = {k: v for k, v in (event.get("metrics") or {}).items() if isinstance(v, int | float)}
         with session_scope(self.settings.database_url) as session:
+            if not self._fenced(session, f"checkpoint at step {step}", key):
+                return
             CheckpointRepository(session).add(
                 Checkpoint(
                     id=new_id("ftckpt"),
@@ -303,11 +316,24 @@ class TrainerProcess:
         self.relay.flush()  # the step's metrics are in before retention reads them
         retention.apply(self.settings, self.store, self.job)
 
+    def _fenced(self, session: Session, what: str, key: str) -> bool:
+        """True while this attempt is the job's live one (held so until the caller's transaction ends);
+        otherwise the object it stored is deleted and nothing is recorded."""
+        if JobRepository(session).holds(self.job.id, self.job.attempt):
+            return True
+        log.warning(
+            "job %s: attempt %s was superseded; its %s is dropped", self.job.id, self.job.attempt, what
+        )
+        self.store.delete(key)
+        return False
+
     def _upload_artifact(self, event: dict[str, Any]) -> None:
         fmt, path = str(event["format"]), Path(str(event["path"]))
-        key = f"jobs/{self.job.id}/artifacts/{fmt}.tar"
+        key = f"{attempt_prefix(self.job)}/artifacts/{fmt}.tar"
         size, digest = self._store_dir(path, fmt, key)
         with session_scope(self.settings.database_url) as session:
+            if not self._fenced(session, f"{fmt} model", key):
+                return
             ArtifactRepository(session).put(
                 Artifact(
                     job_id=self.job.id,

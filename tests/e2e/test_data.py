@@ -156,6 +156,6 @@ def test_retention_keeps_the_last_checkpoints_and_the_best(
     )
     for step in gone:
         with pytest.raises(ObjectNotFound):
-            store.stat(f"jobs/{job['id']}/checkpoints/step-{step}.tar")
+            store.stat(f"jobs/{job['id']}/attempt-1/checkpoints/step-{step}.tar")
     for step in kept:
-        store.stat(f"jobs/{job['id']}/checkpoints/step-{step}.tar")
+        store.stat(f"jobs/{job['id']}/attempt-1/checkpoints/step-{step}.tar")

@@ -13,6 +13,10 @@ from ortune.db.base import utcnow
 from ortune.db.models import Job, JobStatus
 from ortune.db.repositories.base import Repository, keyset_after, page_anchor
 
+# An attempt's writes count while its job is running or paused on it (a cancelled one's last events too);
+# once the job is queued again, failed by the sweep or on a later attempt, they are a stale writer's.
+LIVE_ATTEMPT = (JobStatus.running, JobStatus.paused, JobStatus.cancelled)
+
 
 class JobRepository(Repository):
     def add(self, job: Job) -> Job:
@@ -63,6 +67,16 @@ class JobRepository(Repository):
             stmt = stmt.where(Job.attempt == attempt)
         self.session.execute(stmt.values(**values))
         self.session.flush()
+
+    def holds(self, job_id: str, attempt: int) -> bool:
+        """Whether `attempt` is still the job's live attempt, and it stays so until this transaction ends
+        (FOR SHARE: a requeue's update of the row waits). Writes of a superseded attempt check this first."""
+        stmt = (
+            select(Job.id)
+            .where(Job.id == job_id, Job.attempt == attempt, Job.status.in_(LIVE_ATTEMPT))
+            .with_for_update(read=True)
+        )
+        return self.session.scalars(stmt).first() is not None
 
     def status(self, job_id: str, *, attempt: int | None = None) -> JobStatus | None:
         """The job's status; None when it does not exist (or is now on another attempt than `attempt`)."""
