@@ -18,7 +18,13 @@ from sqlalchemy.orm import Session
 from ortune import lifecycle
 from ortune.db.base import new_id
 from ortune.db.models import Job, JobStatus
-from ortune.db.repositories import ArtifactRepository, EventRepository, FileRepository, JobRepository
+from ortune.db.repositories import (
+    ArtifactRepository,
+    EventRepository,
+    FileRepository,
+    JobRepository,
+    TenantRepository,
+)
 from ortune.db.session import session_scope
 from ortune.queue import enqueue_job, on_commit
 from ortune.search_space import HyperparameterSearch
@@ -157,12 +163,22 @@ def advance(settings: Settings, parent_id: str) -> str:
         children = jobs.children(parent.id)
         trials = [_trial(c, hs.metric) for c in children]
         active = sum(1 for c in children if not c.status.terminal)
+        room = _quota_room(session, settings, parent.tenant_id)  # trials count against the tenant's quota
         started = 0
-        while len(children) + started < hs.n_trials and active + started < hs.parallelism:
+        while len(children) + started < hs.n_trials and active + started < hs.parallelism and started < room:
             params = suggest(hs, parent.seed, trials)
             _start_trial(session, settings, parent, params, len(children) + started + 1)
             started += 1
         jobs.update(parent.id, step=sum(1 for c in children if c.status.terminal), total_steps=hs.n_trials)
         if started or active:
             return f"{active + started} trial(s) running, {len(children) + started}/{hs.n_trials} started"
+        if len(children) < hs.n_trials:  # trials left and none running: the tenant's quota is full
+            return "waiting: the tenant holds as many unfinished jobs as its quota allows"
         return _finish(session, parent, hs, trials)
+
+
+def _quota_room(session: Session, settings: Settings, tenant_id: str) -> int:
+    tenants = TenantRepository(session)
+    tenant = tenants.get(tenant_id)
+    limit = (tenant.max_concurrent_jobs if tenant else None) or settings.max_concurrent_jobs
+    return max(0, limit - tenants.unfinished_jobs(tenant_id))

@@ -120,3 +120,22 @@ def test_cancelling_a_search_cancels_its_trials(service: Client, tmp_path: Path)
     for trial in trials:
         assert wait_for(service, trial["id"], TERMINAL, timeout=60)["status"] == "cancelled"
     assert len(service.get(f"/v1/fine_tuning/jobs/{parent['id']}/trials")["data"]) == 2  # no new trial
+
+
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_trials_count_against_the_tenants_concurrent_job_quota(settings: Any) -> None:
+    """A search with 3 trials at a time, for a tenant that may hold 2 unfinished jobs: the search itself is
+    one, so one trial runs at a time."""
+    from api.main import create_app
+    from tests.support import upload
+    from worker.search import advance
+
+    s = settings.model_copy(update={"max_concurrent_jobs": 2})
+    with TestClient(create_app(s)) as client:
+        file = upload(client, DEMO / "sentiment_train.jsonl").json()
+        body = search_body(file["id"], None, metric="train_loss", parallelism=3)
+        parent = client.post("/v1/fine_tuning/jobs", json=body).json()
+        assert advance(s, parent["id"]) == "1 trial(s) running, 1/3 started"
+        assert advance(s, parent["id"]) == "1 trial(s) running, 1/3 started"  # no room for a second
+        trials = client.get(f"/v1/fine_tuning/jobs/{parent['id']}/trials").json()["data"]
+    assert len(trials) == 1

@@ -60,10 +60,11 @@ class TenantRepository(Repository):
         return self.session.scalars(stmt).first()
 
     def unfinished_jobs(self, tenant_id: str) -> int:
+        """Queued, running and paused jobs, a search's trials included: each holds a worker."""
         stmt = (
             select(func.count())
             .select_from(Job)
-            .where(Job.tenant_id == tenant_id, Job.status.in_(UNFINISHED), Job.parent_id.is_(None))
+            .where(Job.tenant_id == tenant_id, Job.status.in_(UNFINISHED))
         )
         return int(self.session.scalar(stmt) or 0)
 
