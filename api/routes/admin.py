@@ -21,6 +21,7 @@ class TenantCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
     max_concurrent_jobs: Annotated[int, Field(ge=1, le=10_000)] | None = None
+    max_priority: Annotated[int, Field(ge=-100, le=100)] | None = None
 
 
 class TenantObject(BaseModel):
@@ -28,12 +29,17 @@ class TenantObject(BaseModel):
     object: Literal["tenant"] = "tenant"
     name: str
     max_concurrent_jobs: int | None
+    max_priority: int | None
     created_at: int
 
     @classmethod
     def of(cls, t: Tenant) -> TenantObject:
         return cls(
-            id=t.id, name=t.name, max_concurrent_jobs=t.max_concurrent_jobs, created_at=ts(t.created_at) or 0
+            id=t.id,
+            name=t.name,
+            max_concurrent_jobs=t.max_concurrent_jobs,
+            max_priority=t.max_priority,
+            created_at=ts(t.created_at) or 0,
         )
 
 
@@ -81,7 +87,8 @@ def _tenant(session: SessionDep, tenant_id: str) -> Tenant:
 def create_tenant(req: TenantCreate, session: SessionDep, _: AdminDep) -> TenantObject:
     """Create a tenant (its jobs, files and models are invisible to every other tenant)."""
     try:
-        return TenantObject.of(TenantRepository(session).create(req.name, req.max_concurrent_jobs))
+        tenant = TenantRepository(session).create(req.name, req.max_concurrent_jobs, req.max_priority)
+        return TenantObject.of(tenant)
     except TenantExists as exc:
         raise Conflict(str(exc), param="name", code="tenant_exists") from exc
 

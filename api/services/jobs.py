@@ -12,7 +12,7 @@ from api.errors import APIError, Conflict, NotFound, TooManyRequests
 from api.schemas import JobCreate
 from ortune import lifecycle
 from ortune.db.base import new_id
-from ortune.db.models import File, FileStatus, Job, JobStatus
+from ortune.db.models import File, FileStatus, Job, JobStatus, Tenant
 from ortune.db.repositories import (
     EventRepository,
     FileRepository,
@@ -114,7 +114,10 @@ def create(
         hyperparameter_search=req.hyperparameter_search,
     )
     _check_length(spec, train.row_count or 0, settings.max_steps)
-    _check_quota(session, settings, caller)
+    tenant = _check_quota(session, settings, caller)
+    priority = req.priority
+    if tenant is not None and tenant.max_priority is not None and priority > tenant.max_priority:
+        priority = tenant.max_priority  # what an admin allows this tenant; said in the job's first event
     job = Job(
         id=job_id or new_id("ftjob"),
         tenant_id=caller.tenant_id,
@@ -127,12 +130,18 @@ def create(
         suffix=req.suffix,
         seed=req.seed if req.seed is not None else secrets.randbelow(2**31),
         user_metadata=req.metadata,
-        priority=req.priority,
+        priority=priority,
         backend_requested=req.backend,
         world_size=dist.world_size,
     )
     JobRepository(session).add(job)
     EventRepository(session).add(job.id, f"Created fine-tuning job {job.id}: {task} on {model.id}")
+    if priority != req.priority:
+        EventRepository(session).add(
+            job.id,
+            f"Priority {req.priority} was lowered to {priority}, this tenant's maximum",
+            level="warn",
+        )
     send, job_id = enqueue_for(job), job.id
     on_commit(session, lambda: send(settings, job_id))
     return job
@@ -175,7 +184,7 @@ def _check_length(spec: JobSpec, rows: int, limit: int) -> None:
         )
 
 
-def _check_quota(session: Session, settings: Settings, caller: Caller) -> None:
+def _check_quota(session: Session, settings: Settings, caller: Caller) -> Tenant | None:
     tenants = TenantRepository(session)
     tenant = tenants.lock(caller.tenant_id)  # two creates of one tenant count one after the other
     limit = (tenant.max_concurrent_jobs if tenant else None) or settings.max_concurrent_jobs
@@ -187,6 +196,7 @@ def _check_quota(session: Session, settings: Settings, caller: Caller) -> None:
             param="max_concurrent_jobs",
             code="quota_exceeded",
         )
+    return tenant
 
 
 def _check_search(hs: HyperparameterSearch, has_validation: bool) -> None:

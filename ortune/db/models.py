@@ -75,6 +75,8 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(128), unique=True)
     # Unfinished jobs (queued, running, paused) the tenant may hold at once; None: the deployment's limit.
     max_concurrent_jobs: Mapped[int | None] = mapped_column(Integer)
+    # The highest job priority the tenant's jobs get (a higher one asked for is lowered to it); None: any.
+    max_priority: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

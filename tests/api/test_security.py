@@ -166,6 +166,19 @@ def test_quota_of_unfinished_jobs_per_tenant(secured: TestClient) -> None:
     assert second["status"] == "queued"
 
 
+def test_priority_is_clamped_to_the_tenants_maximum(secured: TestClient) -> None:
+    key = tenant_key(secured, "erin", max_priority=10)
+    file = upload(secured, key).json()
+    body = {"model": "tiny-bert", "training_file": file["id"]}
+    high = secured.post("/v1/fine_tuning/jobs", json=body | {"priority": 90}, headers=bearer(key)).json()
+    low = secured.post("/v1/fine_tuning/jobs", json=body | {"priority": -5}, headers=bearer(key)).json()
+    assert (high["priority"], low["priority"]) == (10, -5)
+    said = secured.get(f"/v1/fine_tuning/jobs/{high['id']}/events", headers=bearer(key)).json()["data"]
+    assert any("Priority 90 was lowered to 10, this tenant's maximum" in e["message"] for e in said)
+    tenants = secured.get("/v1/admin/tenants", headers=bearer(ADMIN)).json()["data"]
+    assert next(t for t in tenants if t["name"] == "erin")["max_priority"] == 10
+
+
 def test_idempotency_key_replays_the_first_result(client: TestClient) -> None:
     key = {"Idempotency-Key": "upload-1"}
     with (DEMO / "sentiment_train.jsonl").open("rb") as fh:

@@ -42,10 +42,14 @@ class TenantRepository(Repository):
     def list(self) -> Sequence[Tenant]:
         return self.session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.id)).all()
 
-    def create(self, name: str, max_concurrent_jobs: int | None = None) -> Tenant:
+    def create(
+        self, name: str, max_concurrent_jobs: int | None = None, max_priority: int | None = None
+    ) -> Tenant:
         if self.by_name(name) is not None:
             raise TenantExists(f"a tenant named {name!r} exists already")
-        tenant = Tenant(id=new_id("tenant"), name=name, max_concurrent_jobs=max_concurrent_jobs)
+        tenant = Tenant(
+            id=new_id("tenant"), name=name, max_concurrent_jobs=max_concurrent_jobs, max_priority=max_priority
+        )
         self.session.add(tenant)
         self.session.flush()
         return tenant
