@@ -13,6 +13,7 @@ from typing import Annotated
 
 import anyio.to_thread
 from fastapi import Depends, Request
+from sqlalchemy.exc import DBAPIError
 
 from api.caller import ANONYMOUS, Caller
 from api.errors import Forbidden, Unauthorized
@@ -49,6 +50,29 @@ def _lookup(settings: Settings, secret: str) -> Caller | None:
     with session_scope(settings.database_url) as session:
         key = KeyRepository(session).lookup(secret)
         return None if key is None else Caller(key.tenant_id, admin=key.admin, key_id=key.id)
+
+
+class OpenWithKeys(RuntimeError):
+    """The API would run open (no key needed) over a database where tenants have API keys."""
+
+
+def refuse_open_with_keys(settings: Settings) -> None:
+    """At start: an open deployment makes every caller without a key the default tenant; with tenants and
+    keys in the database that is a misconfiguration, not a choice, unless ORTUNE_REQUIRE_API_KEY=false says
+    it is one."""
+    if settings.api_key_required or settings.require_api_key is False:
+        return
+    try:
+        with session_scope(settings.database_url) as session:
+            keys = KeyRepository(session).live_count()
+    except DBAPIError:  # no database yet, or no schema: nothing to check (/readyz reports the database)
+        return
+    if keys:
+        raise OpenWithKeys(
+            f"{keys} API key(s) exist in this database, but ORTUNE_REQUIRE_API_KEY is not set and this is "
+            "not a production deployment: callers without a key would not be refused. Set "
+            "ORTUNE_REQUIRE_API_KEY=true, or ORTUNE_REQUIRE_API_KEY=false to run open on purpose"
+        )
 
 
 def _bearer(request: Request) -> str | None:

@@ -12,7 +12,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry
 
 from api import errors
-from api.auth import KeyCache
+from api.auth import KeyCache, refuse_open_with_keys
 from api.deps import Reader
 from api.limits import BodyLimit
 from api.observability import JobCollector, RequestMetrics
@@ -29,6 +29,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
+        await anyio.to_thread.run_sync(refuse_open_with_keys, settings)
         # What start-up built (modules, routes, schemas) lives as long as the process: frozen, it is out of
         # the collector's sight, and a full collection no longer walks its ~100k objects (70 ms on this
         # machine, a tail-latency spike each time; bench/api_load).

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from api.auth import AdminDep, KeyCache
 from api.deps import SessionDep
@@ -21,7 +21,7 @@ class TenantCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
     max_concurrent_jobs: Annotated[int, Field(ge=1, le=10_000)] | None = None
-    max_priority: Annotated[int, Field(ge=-100, le=100)] | None = None
+    max_priority: Annotated[StrictInt, Field(ge=-100, le=100)] | None = None  # strict: false is no 0
 
 
 class TenantObject(BaseModel):

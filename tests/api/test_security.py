@@ -228,3 +228,18 @@ def test_concurrent_retries_with_one_key_make_one_job(client: TestClient) -> Non
     assert ok and all(a.status_code in (200, 409) for a in answers), [a.text for a in answers]
     assert len({a.json()["id"] for a in ok}) == 1
     assert len(client.get("/v1/fine_tuning/jobs").json()["data"]) == 1
+
+
+def test_the_api_refuses_to_run_open_over_a_database_with_keys(settings: Settings) -> None:
+    from api.auth import OpenWithKeys
+    from ortune.db.repositories import KeyRepository, TenantRepository
+
+    with session_scope(settings.database_url) as session:
+        KeyRepository(session).issue(TenantRepository(session).create("frank").id, "k")
+    with pytest.raises(OpenWithKeys, match="ORTUNE_REQUIRE_API_KEY"), TestClient(create_app(settings)):
+        pass
+    # told explicitly, it runs open; required, it starts as usual
+    for choice in (False, True):
+        told = settings.model_copy(update={"require_api_key": choice})
+        with TestClient(create_app(told)) as client:
+            assert client.get("/healthz").status_code == 200

@@ -89,6 +89,12 @@ class KeyRepository(Repository):
         self.session.flush()
         return key, secret
 
+    def live_count(self) -> int:
+        return int(
+            self.session.scalar(select(func.count()).select_from(APIKey).where(APIKey.revoked_at.is_(None)))
+            or 0
+        )
+
     def lookup(self, secret: str) -> APIKey | None:
         """The live key with this secret, or None (unknown or revoked)."""
         stmt = select(APIKey).where(APIKey.sha256 == digest(secret), APIKey.revoked_at.is_(None))
