@@ -180,31 +180,28 @@ def pause(session: Session, job: Job) -> bool:
 
 def paused_stopped(session: Session, job: Job, attempt: int) -> bool:
     """The paused job's trainer checkpointed and exited: the worker lets go of it."""
-    where, data = _resume_point(session, job.id, none="the start (no checkpoint yet)")
-    if not JobRepository(session).transition(
-        job.id, JobStatus.paused, only_from=[JobStatus.paused], on_attempt=attempt, worker=None
-    ):
-        return False
-    EventRepository(session).add(
-        job.id, f"Paused; the worker is free. Resume continues from {where}", data=data
-    )
-    return True
+    said, none = "Paused; the worker is free", "the start (no checkpoint yet)"
+    return _let_go_paused(session, job.id, attempt, said, none, "info")
 
 
 def pause_lost(session: Session, job: Job) -> bool:
     """The worker checkpointing a paused job died: the job stays paused, let go of, and resumes from its
     latest stored checkpoint."""
-    where, data = _resume_point(session, job.id, none="the start (no checkpoint stored)")
+    said, none = (
+        f"Paused; worker {job.worker} was lost while it checkpointed",
+        "the start (no checkpoint stored)",
+    )
+    return _let_go_paused(session, job.id, job.attempt, said, none, "warn")
+
+
+def _let_go_paused(session: Session, job_id: str, attempt: int, said: str, none: str, level: str) -> bool:
+    """paused -> paused without its worker: the job is let go of, to resume from its latest checkpoint."""
+    where, data = _resume_point(session, job_id, none=none)
     if not JobRepository(session).transition(
-        job.id, JobStatus.paused, only_from=[JobStatus.paused], on_attempt=job.attempt, worker=None
+        job_id, JobStatus.paused, only_from=[JobStatus.paused], on_attempt=attempt, worker=None
     ):
         return False
-    EventRepository(session).add(
-        job.id,
-        f"Paused; worker {job.worker} was lost while it checkpointed. Resume continues from {where}",
-        level="warn",
-        data=data,
-    )
+    EventRepository(session).add(job_id, f"{said}. Resume continues from {where}", level=level, data=data)
     return True
 
 

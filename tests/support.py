@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from ortune.cli import embedded
 from ortune.cli.client import Client
 from ortune.db.base import new_id
-from ortune.db.models import File, FileStatus
+from ortune.db.models import File, FileStatus, Job, JobStatus
 from ortune.jobspec import JobSpec
 from ortune.settings import Settings
 from tests import services
@@ -83,6 +83,29 @@ def job_spec(
     hp = Hyperparameters(n_epochs=1, batch_size=8, learning_rate_multiplier=1.0)
     fields.setdefault("labels", ["negative", "positive"] if task == "sequence-classification" else [])
     return JobSpec.build(hp, 64, task=task, distributed=distributed or Distributed(), **fields)
+
+
+def stored_job(session: Session, **fields: Any) -> Job:
+    """A job row written straight into the database (a small tiny-bert classification job unless `fields`
+    say otherwise), for tests of the worker's side."""
+    spec = fields.pop("spec", None) or job_spec()
+    job = Job(
+        **{
+            "id": new_id("ftjob"),
+            "model": "tiny-bert",
+            "task": spec.task,
+            "training_file_id": processed_file(session).id,
+            "status": JobStatus.queued,
+            "spec": spec,
+            "seed": 1,
+            "backend_requested": "torch",
+            "world_size": spec.distributed.world_size,
+        }
+        | fields
+    )
+    session.add(job)
+    session.flush()
+    return job
 
 
 def launch_trainer(

@@ -19,11 +19,11 @@ share the rows instead of racing for them.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import psutil
 from sqlalchemy.orm import Session
 
 from ortune import lifecycle
@@ -103,16 +103,6 @@ def sweep(settings: Settings) -> Report:
     return report
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
 def reap_predecessors(settings: Settings) -> Report:
     """At a worker's start: the running attempts of workers of this host whose process is gone are lost now,
     not after `heartbeat_timeout_seconds` (a service restarted after a crash trained again only a minute
@@ -123,7 +113,7 @@ def reap_predecessors(settings: Settings) -> Report:
     with session_scope(settings.database_url) as session:
         for job in JobRepository(session).held_on_host(host):
             pid = (job.worker or "").rpartition(":")[2]
-            if job.worker == WORKER or (pid.isdigit() and not _alive(int(pid))):
+            if job.worker == WORKER or (pid.isdigit() and not psutil.pid_exists(int(pid))):
                 if job.status == JobStatus.paused:
                     _pause_lost(session, job, report)
                 else:

@@ -96,38 +96,36 @@ def claim(
 ) -> Claim:
     if key is None:
         return Claim(None, new_id)
-    keys = IdempotencyRepository(session)
-    row = keys.get(caller.tenant_id, key)
-    if row is not None and (found := _existing(session, settings, row, endpoint, digest)) is not None:
+    if (found := replay(session, settings, caller, key, endpoint=endpoint, digest=digest)) is not None:
         return Claim(found, found)
-    row = IdempotencyKey(
+    keys = IdempotencyRepository(session)
+    mine = IdempotencyKey(
         tenant_id=caller.tenant_id, key=key, endpoint=endpoint, request_sha256=digest, resource_id=new_id
     )
     try:
-        keys.add(row)  # waits, at most the API's lock_timeout, while a request with this key commits
+        keys.add(mine)  # waits, at most the API's lock_timeout, while a request with this key commits
     except OperationalError as exc:
         if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
             raise
         session.rollback()
-        raise Conflict(
-            f"a request with {HEADER} {key!r} is in progress; retry it shortly",
-            param=HEADER,
-            code="idempotency_key_in_use",
-            headers={"Retry-After": "1"},
-        ) from None
+        raise _in_progress(key) from None
     except IntegrityError:  # a concurrent request with this key committed first
         session.rollback()
-        row = keys.get(caller.tenant_id, key)
-        if row is None:
-            raise Conflict(
-                f"a request with {HEADER} {key!r} is in progress; retry it shortly",
-                param=HEADER,
-                code="idempotency_key_in_use",
-                headers={"Retry-After": "1"},
-            ) from None
-        found = _existing(session, settings, row, endpoint, digest)
+        theirs = keys.get(caller.tenant_id, key)
+        if theirs is None:
+            raise _in_progress(key) from None
+        found = _existing(session, settings, theirs, endpoint, digest)
         return Claim(found, found or new_id)
     return Claim(None, new_id)
+
+
+def _in_progress(key: str) -> Conflict:
+    return Conflict(
+        f"a request with {HEADER} {key!r} is in progress; retry it shortly",
+        param=HEADER,
+        code="idempotency_key_in_use",
+        headers={"Retry-After": "1"},
+    )
 
 
 def mark_replayed(response: Response) -> None:

@@ -5,33 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from ortune.db.base import new_id
 from ortune.db.models import Job, JobEvent, JobStatus
 from ortune.db.repositories import JobRepository, MetricRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
-from tests.support import job_spec, processed_file
+from tests.support import stored_job
 from worker.relay import Relay
 from worker.trainer_process import attempt_prefix
 
 
 def job_on(settings: Settings, attempt: int, status: JobStatus) -> str:
     with session_scope(settings.database_url) as session:
-        job = Job(
-            id=new_id("ftjob"),
-            model="tiny-bert",
-            task="sequence-classification",
-            training_file_id=processed_file(session).id,
-            status=status,
-            spec=job_spec(),
-            seed=1,
-            attempt=attempt,
-            worker="somewhere:1",
-            backend_requested="torch",
-            world_size=1,
-        )
-        session.add(job)
-        return job.id
+        return stored_job(session, status=status, attempt=attempt, worker="somewhere:1").id
 
 
 def points(settings: Settings, job_id: str) -> list[tuple[int, float]]:

@@ -13,27 +13,14 @@ from ortune.db.repositories import CheckpointRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from ortune.storage import pack_dir
-from tests.support import job_spec, processed_file
+from tests.support import stored_job
 from worker.staging import resume_point, store_of
 
 
-def stored_job(settings: Settings, tmp: Path, steps: list[int]) -> Job:
+def job_with_checkpoints(settings: Settings, tmp: Path, steps: list[int]) -> Job:
     store = store_of(settings)
     with session_scope(settings.database_url) as session:
-        job = Job(
-            id=new_id("ftjob"),
-            model="tiny-bert",
-            task="sequence-classification",
-            training_file_id=processed_file(session).id,
-            status=JobStatus.running,
-            spec=job_spec(),
-            seed=1,
-            attempt=2,
-            backend_requested="torch",
-            world_size=1,
-        )
-        session.add(job)
-        session.flush()
+        job = stored_job(session, status=JobStatus.running, attempt=2)
         for step in steps:
             folder = tmp / f"c{step}" / f"checkpoint-{step}"
             folder.mkdir(parents=True)
@@ -53,7 +40,7 @@ def stored_job(settings: Settings, tmp: Path, steps: list[int]) -> Job:
 def test_a_damaged_checkpoint_is_not_unpacked_and_the_older_one_resumes(
     settings: Settings, tmp_path: Path
 ) -> None:
-    job = stored_job(settings, tmp_path, [10, 20])
+    job = job_with_checkpoints(settings, tmp_path, [10, 20])
     store = store_of(settings)
     tampered = tmp_path / "tampered.tar"
     tampered.write_bytes(b"\0" * 1024)  # what a damaged or replaced object would read as

@@ -13,12 +13,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from api.main import create_app
-from ortune.db.base import new_id
 from ortune.db.models import Assignment, Job, JobStatus
 from ortune.db.repositories import JobRepository, NodeRepository
 from ortune.db.session import advisory_xact_lock, session_scope
 from ortune.settings import Settings
-from tests.support import DEMO, job_spec, processed_file, upload
+from tests.support import DEMO, job_spec, stored_job, upload
 from trainer_core.spec import Distributed
 from worker import scheduler
 
@@ -35,23 +34,9 @@ def add_jobs(settings: Settings, shapes: list[tuple[int, int, int]]) -> list[str
     """Queued jobs of (nodes, procs_per_node, priority), oldest first."""
     ids = []
     with session_scope(settings.database_url) as session:
-        file = processed_file(session)
         for nodes, procs, priority in shapes:
-            job = Job(
-                id=new_id("ftjob"),
-                model="tiny-bert",
-                task="sequence-classification",
-                training_file_id=file.id,
-                status=JobStatus.queued,
-                spec=job_spec(distributed=Distributed(nodes=nodes, procs_per_node=procs)),
-                seed=1,
-                priority=priority,
-                backend_requested="torch",
-                world_size=nodes * procs,
-            )
-            session.add(job)
-            session.flush()
-            ids.append(job.id)
+            spec = job_spec(distributed=Distributed(nodes=nodes, procs_per_node=procs))
+            ids.append(stored_job(session, spec=spec, priority=priority).id)
             time.sleep(0.002)  # distinct created_at, so age orders them
     return ids
 
