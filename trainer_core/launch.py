@@ -170,13 +170,13 @@ def _measure(spec: TrainingSpec, choice: Any, loaded: Any, train_set: Any, *, cu
     from trainer_core import backends, data
 
     hp = spec.hyperparameters
+    per_epoch = -(-len(train_set) // hp.batch_size)
     order = iter(data.BucketSampler(train_set.lengths, hp.batch_size, spec.seed))
     collate = data.Collator(loaded.tokenizer.pad_token_id, spec.task)
     batches = []
-    for _ in range(min(3, -(-len(train_set) // hp.batch_size))):
+    for _ in range(min(3, per_epoch)):  # the job's first batches, as its sampler orders them
         rows = [train_set[i] for _, i in zip(range(hp.batch_size), order, strict=False)]
         batches.append(collate(rows))
-    per_epoch = -(-len(train_set) // hp.batch_size)
     micro_steps = hp.max_steps * hp.gradient_accumulation_steps if hp.max_steps else per_epoch * hp.n_epochs
     if cuda:
         loaded.model.to("cuda")
