@@ -156,3 +156,28 @@ def test_every_api_connection_is_bounded(settings: Settings) -> None:
         session.rollback()  # a SET made inside a transaction would be undone by this
         shown = [session.execute(text(f"SHOW {name}")).scalar() for name in names]
     assert shown == ["1234ms", "5678ms", "9012ms"]
+
+
+def test_a_write_waiting_past_the_lock_timeout_is_a_503_database_busy(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A job create behind another create's quota lock, held longer than `api_lock_timeout_ms`: a clear,
+    retryable 503, not a request left hanging (nor a 503 that says the database is down)."""
+    s = settings.model_copy(update={"api_lock_timeout_ms": 500})
+    with api(s, tmp_path) as url:
+        file = upload(url, write_jsonl(tmp_path / "t.jsonl", rows(32))).json()
+        with session_scope(s.database_url) as session:
+            TenantRepository(session).lock(ANONYMOUS.tenant_id)  # held until the block ends
+            (response,), slowest = while_healthy(
+                url,
+                [
+                    lambda: httpx.post(
+                        f"{url}/v1/fine_tuning/jobs",
+                        json={"model": "tiny-bert", "training_file": file["id"]},
+                        timeout=30,
+                    )
+                ],
+            )
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "database_busy" and response.headers["retry-after"] == "1"
+    assert slowest < 2.0
