@@ -240,6 +240,10 @@ def seaweedfs(tmp: Path) -> Iterator[S3Server]:
         f"-dir={tmp / 'data'}",
         "-ip=127.0.0.1",
         "-ip.bind=127.0.0.1",
+        # Every test makes its own bucket, which SeaweedFS backs with a collection of its own volumes;
+        # the default slot count (free disk / volume size) ran out after about 80 buckets in CI.
+        "-volume.max=4000",
+        "-master.volumeSizeLimitMB=64",
         f"-s3.config={config}",
         *(f"-{flag}={port}" for flag, port in ports.items()),
     ]
