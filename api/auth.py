@@ -49,7 +49,9 @@ class KeyCache:
 def _lookup(settings: Settings, secret: str) -> Caller | None:
     with session_scope(settings.database_url) as session:
         key = KeyRepository(session).lookup(secret)
-        return None if key is None else Caller(key.tenant_id, admin=key.admin, key_id=key.id)
+        if key is None:
+            return None
+        return Caller(key.tenant_id, admin=key.admin or key.platform, platform=key.platform, key_id=key.id)
 
 
 class OpenWithKeys(RuntimeError):
@@ -90,7 +92,7 @@ async def authenticate(request: Request) -> Caller:
     token = _bearer(request)
     admin = settings.admin_api_key.get_secret_value() if settings.admin_api_key else None
     if token is not None and admin and hmac.compare_digest(token.encode(), admin.encode()):
-        return Caller(DEFAULT_TENANT, admin=True, key_id="admin")
+        return Caller(DEFAULT_TENANT, admin=True, platform=True, key_id="admin")
     if token is not None and looks_like_key(token):
         cache: KeyCache = request.app.state.key_cache
         key_digest = digest(token)
@@ -115,5 +117,15 @@ async def require_admin(caller: Annotated[Caller, Depends(authenticate)]) -> Cal
     return caller
 
 
+async def require_platform(caller: Annotated[Caller, Depends(authenticate)]) -> Caller:
+    if not caller.platform:
+        raise Forbidden(
+            "this endpoint needs a platform admin key (a tenant's admin key manages only that tenant)",
+            code="platform_key_required",
+        )
+    return caller
+
+
 CallerDep = Annotated[Caller, Depends(authenticate)]
 AdminDep = Annotated[Caller, Depends(require_admin)]
+PlatformDep = Annotated[Caller, Depends(require_platform)]

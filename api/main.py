@@ -55,7 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.store = open_store(
         settings.storage_url,
         access_key=settings.s3_access_key,
-        secret_key=settings.s3_secret_key,
+        secret_key=settings.s3_secret_key.get_secret_value(),
         region=settings.s3_region,
     )
     app.state.key_cache = KeyCache(settings.api_key_cache_seconds)

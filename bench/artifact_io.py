@@ -86,7 +86,7 @@ def run(sizes_mb: list[int], rounds: int, tmp: Path) -> dict[str, Any]:
             store = open_store(
                 settings.storage_url,
                 access_key=settings.s3_access_key,
-                secret_key=settings.s3_secret_key,
+                secret_key=settings.s3_secret_key.get_secret_value(),
                 region=settings.s3_region,
             )
             assert isinstance(store, S3Store)

@@ -3,6 +3,8 @@
 FROM python:3.11-slim
 WORKDIR /app
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+# Keys required, placeholder credentials refused, whoever runs the image and however.
+ENV ORTUNE_ENVIRONMENT=production
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 COPY pyproject.toml README.md alembic.ini ./
 COPY ortune ortune

@@ -14,6 +14,8 @@
 #   image build sees no GPU) CUDA ones, and proves ORTModule trains; on a GPU host it trains on the GPU.
 FROM nvidia/cuda:12.6.3-cudnn-devel-ubuntu22.04
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 ONNXRUNTIME_FORCE_CUDA=1
+# Keys required, placeholder credentials refused, whoever runs the image and however.
+ENV ORTUNE_ENVIRONMENT=production
 RUN apt-get update && apt-get install -y --no-install-recommends software-properties-common \
     && add-apt-repository ppa:deadsnakes/ppa && apt-get update \
     && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3.11-dev build-essential \

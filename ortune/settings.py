@@ -8,11 +8,15 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
+# Every example credential the project ships (the settings' defaults, docker-compose.yml, docker/s3.json):
+# production refuses them (tests/kernel/test_settings.py reads those files to keep this list whole).
+PLACEHOLDERS = frozenset({"ortune", "ortune-dev-secret", "CHANGE_ME"})
 
 
 class Settings(BaseSettings):
@@ -22,8 +26,9 @@ class Settings(BaseSettings):
     data_dir: Path = Field(default=Path(".ortune"), description="Embedded mode keeps everything here.")
 
     # Empty means the embedded default under data_dir (SQLite, kombu's SQLAlchemy transport, a folder).
-    database_url: str = ""
-    broker_url: str = ""
+    # The URLs may carry passwords: kept out of repr (a test failure or a log line prints settings).
+    database_url: str = Field(default="", repr=False)
+    broker_url: str = Field(default="", repr=False)
     storage_url: str = ""
     queue: str = "ortune.jobs"
 
@@ -89,7 +94,7 @@ class Settings(BaseSettings):
     trainer_python: str = sys.executable
 
     s3_access_key: str = "ortune"
-    s3_secret_key: str = "ortune-dev-secret"
+    s3_secret_key: SecretStr = SecretStr("ortune-dev-secret")
     s3_region: str = "us-east-1"
 
     @model_validator(mode="after")
@@ -105,9 +110,33 @@ class Settings(BaseSettings):
             self.work_dir = data / "work"
         if not self.api_url:
             self.api_url = f"http://{self.api_host}:{self.api_port}"
-        if self.environment == "production" and self.s3_secret_key == "ortune-dev-secret":
-            raise ValueError("ORTUNE_S3_SECRET_KEY is the development placeholder; set a real secret")
+        if self.environment == "production":
+            self._refuse_placeholders()
         return self
+
+    def _refuse_placeholders(self) -> None:
+        """Production never runs on a credential this project ships as an example."""
+        found = [
+            f"ORTUNE_{name}" for name, value in self._credentials().items() if value and value in PLACEHOLDERS
+        ]
+        if found:
+            raise ValueError(
+                f"{', '.join(found)}: a placeholder credential this project ships (one of "
+                f"{', '.join(sorted(PLACEHOLDERS))}); production needs real secrets"
+            )
+
+    def _credentials(self) -> dict[str, str | None]:
+        creds: dict[str, str | None] = {
+            "DATABASE_URL password": urlsplit(self.database_url).password,
+            "BROKER_URL password": urlsplit(self.broker_url).password,
+            "ADMIN_API_KEY": self.admin_api_key.get_secret_value() if self.admin_api_key else None,
+        }
+        if self.storage_url.startswith("s3://"):
+            creds |= {
+                "S3_ACCESS_KEY": self.s3_access_key,
+                "S3_SECRET_KEY": self.s3_secret_key.get_secret_value(),
+            }
+        return creds
 
     @property
     def api_key_required(self) -> bool:

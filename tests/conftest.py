@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
 
 from api.main import create_app
 from ortune.cli import embedded
@@ -20,7 +21,7 @@ from ortune.cli.client import Client
 from ortune.db.migrate import upgrade
 from ortune.settings import Settings
 from tests import services
-from tests.support import DEMO, embedded_settings, upload
+from tests.support import ADMIN_KEY, DEMO, embedded_settings, upload
 
 RUN = uuid.uuid4().hex[:8]
 
@@ -79,6 +80,7 @@ def settings(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Setting
         s3_secret_key=s3.secret_key,
         api_port=services.free_port(),
         queue=f"ortune.test.{uuid.uuid4().hex[:8]}",
+        admin_api_key=SecretStr(ADMIN_KEY),
     )
     from ortune.db.session import make_engine
 

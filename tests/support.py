@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
 from sqlalchemy.orm import Session
 
 from ortune.cli import embedded
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "ortune" / "demo_data"
 TERMINAL = {"succeeded", "failed", "cancelled"}
 T = TypeVar("T")
+ADMIN_KEY = "ortune-test-platform-admin"  # every test deployment's ORTUNE_ADMIN_API_KEY
 
 
 def rows(n: int, name: str = "sentiment_train.jsonl") -> list[dict[str, Any]]:
@@ -47,7 +49,7 @@ def embedded_settings(tmp: Path, **overrides: Any) -> Settings:
         data_dir=tmp / "state",
         api_port=services.free_port(),
         queue=f"ortune.test.{uuid.uuid4().hex[:8]}",
-        **overrides,
+        **({"admin_api_key": SecretStr(ADMIN_KEY)} | overrides),
     )
 
 

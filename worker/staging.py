@@ -26,7 +26,7 @@ def store_of(settings: Settings) -> ObjectStore:
     return open_store(
         settings.storage_url,
         access_key=settings.s3_access_key,
-        secret_key=settings.s3_secret_key,
+        secret_key=settings.s3_secret_key.get_secret_value(),
         region=settings.s3_region,
     )
 

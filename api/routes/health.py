@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
-from api.auth import AdminDep, authenticate
+from api.auth import PlatformDep, authenticate
 from api.deps import SettingsDep
 from api.errors import ERRORS, APIError
 from ortune.db.session import make_engine
@@ -31,11 +31,11 @@ def _check_db(url: str) -> None:
 
 @router.get("/readyz", responses={503: {"description": "a dependency is down"}})
 async def readyz(request: Request, settings: SettingsDep) -> JSONResponse:
-    """Database, broker and storage all answer. Only an admin key sees why a check failed: the exception
+    """Database, broker and storage all answer. Only a platform key sees why a check failed: the exception
     text names hosts, ports and users."""
     try:
         caller = await authenticate(request)
-        detailed = caller.admin and caller.key_id is not None  # a key, not an open deployment's anonymous
+        detailed = caller.platform  # hosts and users in exception text are the operator's business
     except APIError:
         detailed = False
     checks: dict[str, Any] = {}
@@ -59,7 +59,7 @@ async def readyz(request: Request, settings: SettingsDep) -> JSONResponse:
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
-def metrics(request: Request, _: AdminDep) -> Response:
-    """Prometheus exposition: request rates and latencies, queue depth, jobs by status, samples/s (an admin
-    key where keys are required: it names every tenant's running jobs)."""
+def metrics(request: Request, _: PlatformDep) -> Response:
+    """Prometheus exposition: request rates and latencies, queue depth, jobs by status, samples/s (a platform
+    key, in every mode: it names every tenant's running jobs)."""
     return Response(generate_latest(request.app.state.metrics), media_type=CONTENT_TYPE_LATEST)

@@ -8,7 +8,7 @@ from typing import Literal
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from api.auth import AdminDep
+from api.auth import PlatformDep
 from api.deps import SessionDep, SettingsDep
 from api.errors import ERRORS
 from api.schemas import Page, ts
@@ -40,7 +40,7 @@ class NodeObject(BaseModel):
 
 
 @router.get("", response_model=Page[NodeObject])
-def list_nodes(session: SessionDep, settings: SettingsDep, _: AdminDep) -> Page[NodeObject]:
+def list_nodes(session: SessionDep, settings: SettingsDep, _: PlatformDep) -> Page[NodeObject]:
     """Every registered node: devices, how many are free, whether its heartbeat is recent, and its jobs."""
     repo = NodeRepository(session)
     live = repo.live_assignments()

@@ -187,7 +187,8 @@ app.add_typer(keys, name="keys")
 def keys_create(
     tenant: Annotated[str, typer.Option(help="tenant name; created when it does not exist")] = "default",
     name: Annotated[str, typer.Option(help="a label for the key")] = "cli",
-    admin: Annotated[bool, typer.Option(help="may manage tenants, keys and /metrics")] = False,
+    admin: Annotated[bool, typer.Option(help="may manage its own tenant's keys")] = False,
+    platform: Annotated[bool, typer.Option(help="may manage every tenant, see nodes and /metrics")] = False,
     max_concurrent_jobs: Annotated[int | None, typer.Option(help="for a new tenant")] = None,
 ) -> None:
     """Issue an API key and print its secret (shown only this once)."""
@@ -200,8 +201,9 @@ def keys_create(
     with session_scope(settings.database_url) as session:
         tenants = TenantRepository(session)
         found = tenants.by_name(tenant) or tenants.create(tenant, max_concurrent_jobs)
-        key, secret = KeyRepository(session).issue(found.id, name, admin=admin)
-    console.print(f"[green]{key.id}[/] for tenant {tenant} ({found.id}){' [admin]' if admin else ''}:")
+        key, secret = KeyRepository(session).issue(found.id, name, admin=admin, platform=platform)
+    role = " [platform]" if platform else " [admin]" if admin else ""
+    console.print(f"[green]{key.id}[/] for tenant {tenant} ({found.id}){role}:")
     print(secret)
 
 
@@ -216,9 +218,10 @@ def keys_list(tenant: Annotated[str, typer.Option(help="tenant name")] = "defaul
         if found is None:
             console.print(f"[red]no tenant named {tenant!r}[/]")
             raise typer.Exit(1)
-        table = Table("id", "name", "prefix", "admin", "revoked")
+        table = Table("id", "name", "prefix", "role", "revoked")
         for k in KeyRepository(session).list(found.id):
-            table.add_row(k.id, k.name, k.prefix + "…", "yes" if k.admin else "", str(k.revoked_at or ""))
+            role = "platform" if k.platform else "admin" if k.admin else ""
+            table.add_row(k.id, k.name, k.prefix + "…", role, str(k.revoked_at or ""))
     console.print(table)
 
 

@@ -6,7 +6,19 @@ import enum
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Boolean, Enum, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text
+from sqlalchemy import (
+    Boolean,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    false,
+    text,
+)
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapped, mapped_column
 from sqlalchemy.types import JSON, TypeDecorator, TypeEngine
@@ -90,7 +102,10 @@ class APIKey(Base):
     name: Mapped[str] = mapped_column(String(128))
     prefix: Mapped[str] = mapped_column(String(24))  # shown in listings to tell keys apart
     sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    # An admin key manages its own tenant's keys; a platform key (admin too) manages every tenant, the
+    # cluster's nodes and /metrics.
     admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    platform: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 

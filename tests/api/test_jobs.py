@@ -239,7 +239,9 @@ def test_artifact_download_with_range(
     payload = bytes(range(256)) * 8192  # 2 MiB, several chunks
     key = f"jobs/{job['id']}/artifacts/onnx.tar"
     store = open_store(
-        settings.storage_url, access_key=settings.s3_access_key, secret_key=settings.s3_secret_key
+        settings.storage_url,
+        access_key=settings.s3_access_key,
+        secret_key=settings.s3_secret_key.get_secret_value(),
     )
     store.put_fileobj(key, io.BytesIO(payload))
     digest = hashlib.sha256(payload).hexdigest()

@@ -11,10 +11,11 @@ from ortune.db.models import JobStatus
 from ortune.db.repositories import JobRepository, MetricRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
+from tests.support import ADMIN_KEY
 
 
 def scrape(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    response = client.get("/metrics")
+    response = client.get("/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value

@@ -16,7 +16,7 @@ from api.main import create_app
 from ortune.db.models import Job, JobStatus
 from ortune.db.session import session_scope
 from ortune.settings import Settings
-from tests.support import DEMO
+from tests.support import ADMIN_KEY, DEMO
 
 ADMIN = "ortune-admin-test-key"
 # Paths every tenant may call without an id of another tenant's in them, and paths for admins only.
@@ -127,7 +127,7 @@ def test_keys_are_checked_and_admin_paths_need_an_admin(secured: TestClient) -> 
     key = tenant_key(secured, "carol")
     for method, path in (("GET", "/metrics"), ("GET", "/v1/admin/tenants"), ("POST", "/v1/admin/tenants")):
         response = secured.request(method, path, headers=bearer(key), json={"name": "x"})
-        assert response.status_code == 403 and response.json()["error"]["code"] == "admin_key_required"
+        assert response.status_code == 403 and response.json()["error"]["code"] == "platform_key_required"
     assert secured.get("/metrics", headers=bearer(ADMIN)).status_code == 200
 
     dup = secured.post("/v1/admin/tenants", json={"name": "carol"}, headers=bearer(ADMIN))
@@ -143,6 +143,71 @@ def test_keys_are_checked_and_admin_paths_need_an_admin(secured: TestClient) -> 
     revoked = secured.delete(f"/v1/admin/api_keys/{keys[0]['id']}", headers=bearer(ADMIN))
     assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None
     assert secured.get("/v1/files", headers=bearer(key)).status_code == 401  # at once, in this process
+
+
+def test_a_tenant_admin_key_manages_its_own_tenant_only(secured: TestClient) -> None:
+    """Before platform keys, any tenant's admin key could mint keys for every tenant and read /metrics."""
+    tenants = {name: tenant_key(secured, name) for name in ("frank", "grace")}
+    ids = {t["name"]: t["id"] for t in secured.get("/v1/admin/tenants", headers=bearer(ADMIN)).json()["data"]}
+    frank_admin = secured.post(
+        f"/v1/admin/tenants/{ids['frank']}/api_keys",
+        json={"name": "ops", "admin": True},
+        headers=bearer(ADMIN),
+    ).json()
+    assert (frank_admin["admin"], frank_admin["platform"]) == (True, False)
+    own = bearer(frank_admin["key"])
+
+    minted = secured.post(f"/v1/admin/tenants/{ids['frank']}/api_keys", json={"name": "ci"}, headers=own)
+    assert (
+        minted.status_code == 200
+        and secured.get("/v1/files", headers=bearer(minted.json()["key"])).is_success
+    )
+    listed = secured.get(f"/v1/admin/tenants/{ids['frank']}/api_keys", headers=own).json()["data"]
+    assert {k["name"] for k in listed} == {"test", "ops", "ci"}
+
+    graces = secured.get(f"/v1/admin/tenants/{ids['grace']}/api_keys", headers=bearer(ADMIN)).json()["data"]
+    for method, path in (
+        ("POST", f"/v1/admin/tenants/{ids['grace']}/api_keys"),
+        ("GET", f"/v1/admin/tenants/{ids['grace']}/api_keys"),
+        ("DELETE", f"/v1/admin/api_keys/{graces[0]['id']}"),
+    ):
+        response = secured.request(
+            method, path, headers=own, json={"name": "x"} if method == "POST" else None
+        )
+        assert response.status_code == 404, (method, path, response.text)  # another tenant is invisible
+    assert secured.get("/v1/files", headers=bearer(tenants["grace"])).status_code == 200  # not revoked
+
+    for path in ("/metrics", "/v1/nodes", "/v1/admin/tenants"):
+        response = secured.get(path, headers=own)
+        assert response.status_code == 403 and response.json()["error"]["code"] == "platform_key_required"
+    escalate = secured.post(
+        f"/v1/admin/tenants/{ids['frank']}/api_keys", json={"name": "up", "platform": True}, headers=own
+    )
+    assert escalate.status_code == 403 and escalate.json()["error"]["param"] == "platform"
+
+    platform = secured.post(
+        f"/v1/admin/tenants/{ids['frank']}/api_keys",
+        json={"name": "p", "platform": True},
+        headers=bearer(ADMIN),
+    ).json()
+    assert (platform["admin"], platform["platform"]) == (True, True)
+    assert secured.get("/v1/admin/tenants", headers=bearer(platform["key"])).status_code == 200
+    revoked = secured.delete(f"/v1/admin/api_keys/{minted.json()['id']}", headers=own)
+    assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None
+
+
+def test_a_caller_without_a_key_is_never_an_admin(client: TestClient) -> None:
+    """In an open deployment the caller without a key used to be an admin: it could mint keys and tenants."""
+    for method, path in (
+        ("GET", "/metrics"),
+        ("GET", "/v1/nodes"),
+        ("GET", "/v1/admin/tenants"),
+        ("POST", "/v1/admin/tenants"),
+        ("POST", "/v1/admin/tenants/default/api_keys"),
+    ):
+        response = client.request(method, path, json={"name": "x"} if method == "POST" else None)
+        assert response.status_code == 403, (method, path, response.text)
+    assert client.get("/v1/nodes", headers=bearer(ADMIN_KEY)).status_code == 200  # the admin key still works
 
 
 def test_open_deployment_takes_callers_without_keys(client: TestClient) -> None:

@@ -62,7 +62,7 @@ def stored_files(settings: Settings) -> list[str]:
     store: Any = open_store(
         settings.storage_url,
         access_key=settings.s3_access_key,
-        secret_key=settings.s3_secret_key,
+        secret_key=settings.s3_secret_key.get_secret_value(),
         region=settings.s3_region,
     )
     listed = store.client.list_objects_v2(Bucket=store.bucket, Prefix="files/")

@@ -152,7 +152,9 @@ def test_retention_keeps_the_last_checkpoints_and_the_best(
     gone = sorted({s for e in deleted for s in e["data"]["deleted_steps"]})
     assert gone == sorted(set(range(2, 13, 2)) - set(kept))
     store = open_store(
-        settings.storage_url, access_key=settings.s3_access_key, secret_key=settings.s3_secret_key
+        settings.storage_url,
+        access_key=settings.s3_access_key,
+        secret_key=settings.s3_secret_key.get_secret_value(),
     )
     for step in gone:
         with pytest.raises(ObjectNotFound):

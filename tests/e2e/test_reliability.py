@@ -19,6 +19,7 @@ from ortune.db.migrate import upgrade
 from ortune.settings import Settings
 from tests import services
 from tests.support import (
+    ADMIN_KEY,
     DEMO,
     TERMINAL,
     checkpoints,
@@ -143,7 +144,7 @@ def test_a_worker_killed_during_a_pause_checkpoint_leaves_no_stuck_pause_or_held
             done = wait_for(client, job["id"], TERMINAL, timeout=300)
             other = submit(client, tmp_path, 10, 5)
             placed = wait_for(client, other["id"], TERMINAL, timeout=300)
-            nodes = client.get("/v1/nodes")["data"]
+            nodes = Client(s.api_url, api_key=ADMIN_KEY).get("/v1/nodes")["data"]
     assert done["status"] == "succeeded" and done["attempt"] == 2, done["error"]
     assert placed["status"] == "succeeded", placed["error"]
     assert all(n["free_devices"] == n["devices"] and not n["running"] for n in nodes), nodes  # none held

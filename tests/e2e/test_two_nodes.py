@@ -20,6 +20,7 @@ from ortune.db.models import Checkpoint
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from tests.support import (
+    ADMIN_KEY,
     TERMINAL,
     events,
     rows,
@@ -45,7 +46,7 @@ def two_nodes(
             stack.enter_context(node_worker(settings, tmp, "node-a")),
             stack.enter_context(node_worker(node_b or settings, tmp, "node-b")),
         ]
-        client = Client(settings.api_url)
+        client = Client(settings.api_url, api_key=ADMIN_KEY)  # /v1/nodes is for platform keys
         wait_nodes(client, 2)
         yield client, workers
 

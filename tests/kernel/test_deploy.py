@@ -4,16 +4,20 @@ commands that exist."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import tomllib
+from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
+from pydantic import ValidationError
 
 from api import main as api_main
 from ortune.cli.app import app as cli
-from ortune.settings import Settings
+from ortune.settings import PLACEHOLDERS, Settings
 from tests.support import ROOT
 from trainer_core.ort_setup import ORT_VERSION
 
@@ -88,3 +92,67 @@ def test_images_pin_what_pyproject_pins() -> None:
     for dockerfile in ("docker/api.Dockerfile", "docker/worker-gpu.Dockerfile"):
         runs = " ".join(args for kind, args in _instructions(dockerfile) if kind == "RUN")
         assert set(re.findall(r"torch==([\w.]+)", runs)) == {torch_pin}, dockerfile
+
+
+def _shipped_credentials() -> dict[str, str]:
+    """Every example credential the deployment files and the settings' defaults carry, by where it is."""
+    found: dict[str, str] = {}
+    for ident in json.loads((ROOT / "docker" / "s3.json").read_text())["identities"]:
+        for n, cred in enumerate(ident["credentials"]):
+            found |= {f"s3.json {ident['name']}[{n}].{k}": v for k, v in cred.items()}
+    for name, service in COMPOSE["services"].items():
+        for key, value in (service.get("environment") or {}).items():
+            literal = not str(value).startswith("${")
+            if literal and any(word in key for word in ("PASSWORD", "SECRET", "ACCESS_KEY")):
+                found[f"compose {name}.{key}"] = str(value)
+    defaults = Settings.model_fields
+    found["default s3_access_key"] = str(defaults["s3_access_key"].default)
+    found["default s3_secret_key"] = defaults["s3_secret_key"].default.get_secret_value()
+    return found
+
+
+def _real(tmp: Path) -> dict[str, Any]:
+    return {
+        "environment": "production",
+        "data_dir": tmp,
+        "database_url": "postgresql+psycopg://ortune:pg-4f9a1c@db:5432/ortune",
+        "broker_url": "redis://redis:6379/0",
+        "storage_url": "s3://ortune?endpoint_url=http://s3:8333",
+        "s3_access_key": "AK-7d2e91",
+        "s3_secret_key": "sk-0b83f2aa",
+        "admin_api_key": "admin-5e6c77",
+    }
+
+
+def test_production_refuses_every_placeholder_credential_the_project_ships(tmp_path: Path) -> None:
+    Settings(**_real(tmp_path))  # real secrets start
+    shipped = _shipped_credentials()
+    assert set(shipped.values()) <= PLACEHOLDERS, shipped
+    slots = {
+        "s3_access_key": ("ORTUNE_S3_ACCESS_KEY", "{}"),
+        "s3_secret_key": ("ORTUNE_S3_SECRET_KEY", "{}"),
+        "admin_api_key": ("ORTUNE_ADMIN_API_KEY", "{}"),
+        "database_url": ("ORTUNE_DATABASE_URL password", "postgresql+psycopg://ortune:{}@db:5432/ortune"),
+        "broker_url": ("ORTUNE_BROKER_URL password", "redis://:{}@redis:6379/0"),
+    }
+    for value in sorted(set(shipped.values())):
+        for field, (named, shape) in slots.items():
+            with pytest.raises(ValidationError, match=re.escape(named)):
+                Settings(**_real(tmp_path) | {field: shape.format(value)})
+    Settings(data_dir=tmp_path)  # development keeps its defaults
+    postgres = COMPOSE["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"]
+    url = COMPOSE["services"]["api"]["environment"]["ORTUNE_DATABASE_URL"]
+    assert postgres.startswith("${ORTUNE_POSTGRES_PASSWORD:?") and "${ORTUNE_POSTGRES_PASSWORD:?" in url
+
+
+def test_settings_never_print_a_secret(tmp_path: Path) -> None:
+    real = _real(tmp_path)
+    shown = repr(Settings(**real)) + str(Settings(**real))
+    for secret in ("pg-4f9a1c", "sk-0b83f2aa", "admin-5e6c77"):
+        assert secret not in shown
+
+
+def test_images_run_as_production() -> None:
+    for dockerfile in ("docker/api.Dockerfile", "docker/worker-gpu.Dockerfile"):
+        env = " ".join(args for kind, args in _instructions(dockerfile) if kind == "ENV")
+        assert "ORTUNE_ENVIRONMENT=production" in env.split(), dockerfile

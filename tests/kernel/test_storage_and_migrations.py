@@ -87,6 +87,41 @@ def test_migrations_build_the_schema_on_sqlite(tmp_path: Path) -> None:
     assert _schema_diff(url) == []
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_0007_keeps_the_operators_admin_keys_platform_wide(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Admin keys made before scoping: the default tenant's (the operator's) stay platform-wide, other
+    tenants' become admins of their own tenant only."""
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'm.db'}"
+    else:
+        server, name = request.getfixturevalue("pg_server"), f"ortune_mig_{uuid.uuid4().hex[:8]}"
+        url = services.create_database(server, name)
+        request.addfinalizer(lambda: (make_engine(url).dispose(), services.drop_database(server, name)))
+    upgrade(url, "0006")
+    with make_engine(url).begin() as conn:
+        conn.execute(
+            text("INSERT INTO tenants (id, name, created_at) VALUES ('t-1', 'acme', CURRENT_TIMESTAMP)")
+        )
+        for key, tenant, admin in (
+            ("k-op", "default", True),
+            ("k-acme", "t-1", True),
+            ("k-user", "default", False),
+        ):
+            conn.execute(
+                text(
+                    "INSERT INTO api_keys (id, tenant_id, name, prefix, sha256, admin, created_at) "
+                    "VALUES (:id, :tenant, 'k', 'p', :id, :admin, CURRENT_TIMESTAMP)"
+                ),
+                {"id": key, "tenant": tenant, "admin": admin},
+            )
+    upgrade(url)
+    with make_engine(url).connect() as conn:
+        rows = dict(conn.execute(text("SELECT id, platform FROM api_keys")).tuples().all())
+    assert {k: bool(v) for k, v in rows.items()} == {"k-op": True, "k-acme": False, "k-user": False}
+
+
 def test_migrations_build_the_schema_on_postgres(pg_server: str) -> None:
     name = f"ortune_mig_{uuid.uuid4().hex[:8]}"
     url = services.create_database(pg_server, name)

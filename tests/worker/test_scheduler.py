@@ -17,7 +17,7 @@ from ortune.db.models import Assignment, Job, JobStatus
 from ortune.db.repositories import JobRepository, NodeRepository
 from ortune.db.session import advisory_xact_lock, session_scope
 from ortune.settings import Settings
-from tests.support import DEMO, job_spec, stored_job, upload
+from tests.support import ADMIN_KEY, DEMO, job_spec, stored_job, upload
 from trainer_core.spec import Distributed
 from worker import scheduler
 
@@ -172,7 +172,7 @@ def test_a_job_that_can_never_fit_is_refused_at_submit(settings: Settings) -> No
         assert odd.status_code == 400 and odd.json()["error"]["param"] == "hyperparameters.batch_size"
         fits = client.post("/v1/fine_tuning/jobs", json=body | {"distributed": {"procs_per_node": 2}})
         assert fits.status_code == 200 and fits.json()["distributed"]["procs_per_node"] == 2
-        nodes = client.get("/v1/nodes").json()["data"]
+        nodes = client.get("/v1/nodes", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()["data"]
         assert [(n["id"], n["devices"], n["free_devices"]) for n in nodes] == [("a", 2, 2)]
 
 

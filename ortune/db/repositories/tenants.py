@@ -74,8 +74,10 @@ class TenantRepository(Repository):
 
 
 class KeyRepository(Repository):
-    def issue(self, tenant_id: str, name: str, *, admin: bool = False) -> tuple[APIKey, str]:
-        """A new key; the secret is returned here once and never stored."""
+    def issue(
+        self, tenant_id: str, name: str, *, admin: bool = False, platform: bool = False
+    ) -> tuple[APIKey, str]:
+        """A new key; the secret is returned here once and never stored. A platform key is an admin key."""
         secret = KEY_PREFIX + secrets.token_urlsafe(32)
         key = APIKey(
             id=new_id("key"),
@@ -83,7 +85,8 @@ class KeyRepository(Repository):
             name=name,
             prefix=secret[: len(KEY_PREFIX) + 4],
             sha256=digest(secret),
-            admin=admin,
+            admin=admin or platform,
+            platform=platform,
         )
         self.session.add(key)
         self.session.flush()
@@ -103,6 +106,9 @@ class KeyRepository(Repository):
     def list(self, tenant_id: str) -> Sequence[APIKey]:
         stmt = select(APIKey).where(APIKey.tenant_id == tenant_id).order_by(APIKey.created_at, APIKey.id)
         return self.session.scalars(stmt).all()
+
+    def get(self, key_id: str) -> APIKey | None:
+        return self.session.get(APIKey, key_id)
 
     def revoke(self, key_id: str) -> APIKey | None:
         key = self.session.get(APIKey, key_id)
