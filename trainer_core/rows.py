@@ -144,6 +144,8 @@ def _csv_row(row: dict[str | Any, Any]) -> dict[str, Any] | RowError:
             clean["messages"] = json.loads(clean["messages"])
         except json.JSONDecodeError:
             return RowError("'messages' must hold a JSON list")
+        except RecursionError:
+            return RowError("'messages' nested too deeply")
     return clean
 
 

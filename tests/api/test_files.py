@@ -162,6 +162,10 @@ def test_a_deeply_nested_row_and_an_oversized_csv_field_are_errors_not_500(
         body["status"] == "error"
         and "line 2: unreadable CSV: field larger than field limit" in body["status_details"]
     )
+    chat = tmp_path / "chat.csv"  # a CSV's messages column holds JSON, parsed at upload too
+    chat.write_text('messages\n"' + "[" * 50_000 + "]" * 50_000 + '"\n')
+    body = upload(client, chat).json()
+    assert body["status"] == "error" and "line 2: 'messages' nested too deeply" in body["status_details"]
 
 
 def test_not_utf8(client: TestClient, tmp_path: Path) -> None:
