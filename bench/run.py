@@ -15,6 +15,7 @@ BENCHMARKS = [
     "bench.metrics_ingest",
     "bench.reliability",
     "bench.data_scale",
+    "bench.soak",
 ]
 
 

@@ -75,7 +75,9 @@ class PostgresCluster:
     """A throwaway cluster from initdb (as the postgres user when run as root: initdb refuses root), which
     a test may stop and start again on the same port."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, host: str = "127.0.0.1", allow: str | None = None) -> None:
+        """`allow`: a network (CIDR) whose clients are trusted too, for servers other hosts reach."""
+        self.host = host
         bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
         initdb = shutil.which("initdb") or (bins[-1] if bins else None)
         if initdb is None:
@@ -98,13 +100,16 @@ class PostgresCluster:
             check=True,
             capture_output=True,
         )
+        if allow:
+            with (self.data / "pg_hba.conf").open("a") as hba:
+                hba.write(f"host all all {allow} trust\n")
 
     @property
     def url(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}"
+        return f"postgresql://postgres@{self.host}:{self.port}"
 
     def start(self) -> None:
-        options = f"-p {self.port} -k {self.data} -c listen_addresses=127.0.0.1 -c fsync=off"
+        options = f"-p {self.port} -k {self.data} -c listen_addresses={self.host} -c fsync=off"
         subprocess.run(
             [
                 *self.prefix,
@@ -122,9 +127,10 @@ class PostgresCluster:
             capture_output=True,
         )
 
-    def stop(self) -> None:
+    def stop(self, mode: str = "immediate") -> None:
+        """`immediate` as a crash; `fast` as a service manager's stop (clients get an admin shutdown)."""
         subprocess.run(
-            [*self.prefix, self.pg_ctl, "-D", str(self.data), "-m", "immediate", "-w", "stop"],
+            [*self.prefix, self.pg_ctl, "-D", str(self.data), "-m", mode, "-w", "stop"],
             capture_output=True,
         )
 
@@ -201,7 +207,7 @@ def _weed() -> str:
 
 
 @contextmanager
-def seaweedfs(tmp: Path) -> Iterator[S3Server]:
+def seaweedfs(tmp: Path, host: str = "127.0.0.1") -> Iterator[S3Server]:
     tmp.mkdir(parents=True, exist_ok=True)
     config = tmp / "s3.json"
     config.write_text(
@@ -238,8 +244,8 @@ def seaweedfs(tmp: Path) -> Iterator[S3Server]:
         _weed(),
         "mini",
         f"-dir={tmp / 'data'}",
-        "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
+        f"-ip={host}",
+        f"-ip.bind={host}",
         # Every test makes its own bucket, which SeaweedFS backs with a collection of its own volumes;
         # the default slot count (free disk / volume size) ran out after about 80 buckets in CI.
         "-volume.max=4000",
@@ -250,7 +256,7 @@ def seaweedfs(tmp: Path) -> Iterator[S3Server]:
     (tmp / "data").mkdir(exist_ok=True)
     log = (tmp / "weed.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
-    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    endpoint = f"http://{host}:{ports['s3.port']}"
     try:
         _wait(
             lambda: proc.poll() is None and httpx.get(endpoint, timeout=2).status_code in (200, 403),
@@ -270,16 +276,16 @@ def seaweedfs(tmp: Path) -> Iterator[S3Server]:
 class RedisServer:
     """A redis-server of the test's own (no persistence, like a cache node), which it may restart."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, host: str = "127.0.0.1") -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt install redis-server)")
-        self.binary, self.tmp, self.port = binary, tmp, free_port()
+        self.binary, self.tmp, self.port, self.host = binary, tmp, free_port(), host
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -288,7 +294,9 @@ class RedisServer:
                 "--port",
                 str(self.port),
                 "--bind",
-                "127.0.0.1",
+                self.host,
+                "--protected-mode",  # no password, reached from other hosts (namespaces) on purpose
+                "no" if self.host != "127.0.0.1" else "yes",
                 "--save",
                 "",
                 "--appendonly",
@@ -297,7 +305,7 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             cwd=self.tmp,
         )
-        _wait(lambda: answers("127.0.0.1", self.port), "redis-server")
+        _wait(lambda: answers(self.host, self.port), "redis-server")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

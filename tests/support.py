@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -208,12 +208,14 @@ def wait_event(client: Client, job_id: str, prefix: str, timeout: float = 180) -
 
 
 @contextmanager
-def worker_process(settings: Settings, name: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def worker_process(
+    settings: Settings, name: str, log: Path, prefix: Sequence[str] = ()
+) -> Iterator[subprocess.Popen[bytes]]:
     """One more Celery worker (another node, or a successor to a killed one), stopped at the end if it
-    still runs."""
+    still runs. `prefix` runs it elsewhere (`ip netns exec HOST`)."""
     with log.open("ab") as fh:
         proc = subprocess.Popen(
-            embedded.worker_command(settings, name=f"{name}-{time.monotonic_ns()}@%h"),
+            [*prefix, *embedded.worker_command(settings, name=f"{name}-{time.monotonic_ns()}@%h")],
             env=embedded.child_env(settings),
             stdout=fh,
             stderr=subprocess.STDOUT,

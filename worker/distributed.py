@@ -82,9 +82,27 @@ def _torchrun(settings: Settings, task: dict[str, Any], spec_path: Path) -> list
     ]
 
 
+def interface_of(address: str) -> str | None:
+    """The network interface that holds `address`, or None."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    return None
+
+
+def _sockets(settings: Settings) -> dict[str, str]:
+    """Bind gloo's and NCCL's sockets to the interface of the node's address. Left alone, they take the
+    address the hostname resolves to, which on many hosts (Debian's 127.0.1.1, a network namespace) is a
+    loopback that the other nodes then try to reach: found by the two-host test (tests/e2e/test_hosts.py)."""
+    interface = interface_of(settings.node_address)
+    if interface is None:
+        return {}
+    return {var: os.environ.get(var, interface) for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+
+
 def _env(settings: Settings, task: dict[str, Any]) -> dict[str, str]:
     devices = ",".join(str(d) for d in task["devices"])
-    return {
+    return _sockets(settings) | {
         "CUDA_VISIBLE_DEVICES": devices,
         "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // int(task["nproc_per_node"]))),
         # DeepSpeed compiles a communication extension on its first run (~30 s); the node keeps it
