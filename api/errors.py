@@ -13,6 +13,8 @@ from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from ortune.storage import StorageUnavailable
+
 
 class APIError(Exception):
     status_code = 400
@@ -201,6 +203,18 @@ def install(app: FastAPI) -> None:
         return JSONResponse(
             body(
                 "the database is unavailable; retry shortly", code="database_unavailable", type="server_error"
+            ),
+            status_code=503,
+            headers={"Retry-After": "5"},
+        )
+
+    @app.exception_handler(StorageUnavailable)
+    async def _storage_down(_: Request, exc: StorageUnavailable) -> JSONResponse:
+        return JSONResponse(
+            body(
+                "object storage is unavailable; nothing was stored, retry shortly",
+                code="storage_unavailable",
+                type="server_error",
             ),
             status_code=503,
             headers={"Retry-After": "5"},

@@ -116,18 +116,28 @@ def requeue_drained(session: Session, settings: Settings, job: Job, attempt: int
 
 
 def requeue_lost(
-    session: Session, settings: Settings, job: Job, silent_s: float, *, gone: bool = False
+    session: Session,
+    settings: Settings,
+    job: Job,
+    silent_s: float,
+    *,
+    gone: bool = False,
+    because: str | None = None,
 ) -> JobStatus | None:
-    """A running attempt whose heartbeat stopped, or whose worker process is `gone` (found dead by a new
-    worker on its host): queued again as a new attempt, or failed once `max_attempts` attempts were lost.
-    The status it moved to, or None when it had moved on already."""
+    """A running attempt whose heartbeat stopped, whose worker process is `gone` (found dead by a new
+    worker on its host), or that ended `because` of a fault outside the job (object storage down): queued
+    again as a new attempt, or failed once `max_attempts` attempts were lost. The status it moved to, or
+    None when it had moved on already."""
     jobs, lost = JobRepository(session), job.lost_attempts + 1
-    said = (
-        f"Attempt {job.attempt} lost: worker {job.worker} is gone (a new worker on its host found its "
-        "process dead)"
-        if gone
-        else f"Attempt {job.attempt} lost: worker {job.worker} sent no heartbeat for {silent_s:.0f}s"
-    )
+    if because:
+        said = f"Attempt {job.attempt} lost: {because}"
+    elif gone:
+        said = (
+            f"Attempt {job.attempt} lost: worker {job.worker} is gone (a new worker on its host found its "
+            "process dead)"
+        )
+    else:
+        said = f"Attempt {job.attempt} lost: worker {job.worker} sent no heartbeat for {silent_s:.0f}s"
     where, resume = _resume_point(session, job.id, none="the start (no checkpoint stored)")
     data = {"attempt": job.attempt, "last_step": job.step, **resume, "lost_attempts": lost}
     if lost >= settings.max_attempts:

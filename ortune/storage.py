@@ -6,12 +6,14 @@ input; `_check_key` refuses anything that could escape the bucket or folder all 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import shutil
 import tarfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -27,6 +29,11 @@ class StorageError(Exception):
 
 class ObjectNotFound(StorageError):
     pass
+
+
+class StorageUnavailable(StorageError):
+    """A write the store could not take (its server down or refusing, its disk full): worth trying again
+    later, unlike a bad key."""
 
 
 @dataclass(frozen=True)
@@ -82,11 +89,16 @@ class LocalStore:
 
     def put_fileobj(self, key: str, fileobj: IO[bytes]) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with tmp.open("wb") as out:
-            shutil.copyfileobj(fileobj, out, CHUNK)
-        tmp.replace(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tmp.open("wb") as out:
+                shutil.copyfileobj(fileobj, out, CHUNK)
+            tmp.replace(path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise StorageUnavailable(f"could not store {key}: {exc}") from exc
 
     def put_path(self, key: str, path: Path) -> None:
         with path.open("rb") as fh:
@@ -144,10 +156,12 @@ class S3Store:
             self.client.create_bucket(Bucket=self.bucket)
 
     def put_fileobj(self, key: str, fileobj: IO[bytes]) -> None:
-        self.client.upload_fileobj(fileobj, self.bucket, _check_key(key))
+        with _unavailable(key):
+            self.client.upload_fileobj(fileobj, self.bucket, _check_key(key))
 
     def put_path(self, key: str, path: Path) -> None:
-        self.client.upload_file(str(path), self.bucket, _check_key(key))
+        with _unavailable(key):  # a missing source stays a FileNotFoundError: the caller's, not the store's
+            self.client.upload_file(str(path), self.bucket, _check_key(key))
 
     def get_to_path(self, key: str, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,6 +194,17 @@ class S3Store:
 
     def ping(self) -> None:
         self.client.head_bucket(Bucket=self.bucket)
+
+
+@contextmanager
+def _unavailable(key: str) -> Iterator[None]:
+    from boto3.exceptions import Boto3Error
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        yield
+    except (Boto3Error, BotoCoreError, ClientError) as exc:
+        raise StorageUnavailable(f"could not store {key}: {exc}") from exc
 
 
 def open_store(

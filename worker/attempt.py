@@ -150,6 +150,14 @@ def finish(settings: Settings, job: Job, outcome: Outcome) -> None:
         lifecycle.nudge_search(session, settings, job)
 
 
+def requeue(settings: Settings, job: Job, because: str) -> None:
+    """This attempt cannot go on for a fault outside the job: a new attempt, as for a lost one."""
+    with session_scope(settings.database_url) as session:
+        current = JobRepository(session).get(job.id)
+        if current is not None and current.attempt == job.attempt:
+            lifecycle.requeue_lost(session, settings, current, 0, because=because)
+
+
 def release(
     settings: Settings, job: Job, node_name: str, exit_code: int | None, error: str | None = None
 ) -> None:

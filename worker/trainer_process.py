@@ -26,7 +26,7 @@ from ortune.db.models import Artifact, Checkpoint, Job, JobStatus
 from ortune.db.repositories import ArtifactRepository, CheckpointRepository, JobRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
-from ortune.storage import ObjectStore, pack_dir
+from ortune.storage import ObjectStore, StorageUnavailable, pack_dir
 from trainer_core.contract import EXIT_STOPPED, die_with_parent, log_tail
 from trainer_core.spec import TrainingSpec
 from worker import retention
@@ -296,6 +296,15 @@ class TrainerProcess:
             size, digest = self._store_dir(path, f"checkpoint-{step}", key)
         except FileNotFoundError:  # the Trainer rotated it away while it was being packed
             self.relay.message(f"checkpoint at step {step} was rotated away while packed", level="warn")
+            return
+        except StorageUnavailable as exc:  # a resume point missed, not a reason to stop training
+            (self.workdir / f"checkpoint-{step}.tar").unlink(missing_ok=True)
+            self.relay.message(
+                f"Checkpoint at step {step} could not be stored ({exc}); training goes on, the next "
+                "checkpoint is tried",
+                level="warn",
+                data={"step": step},
+            )
             return
         metrics = {k: v for k, v in (event.get("metrics") or {}).items() if isinstance(v, int | float)}
         with session_scope(self.settings.database_url) as session:

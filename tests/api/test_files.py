@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -242,3 +243,20 @@ def test_a_json_body_over_the_limit_is_413_declared_or_chunked(client: TestClien
     assert chunked.status_code == 413, chunked.text
     assert chunked.json()["error"]["code"] == "payload_too_large"
     assert "chunked request body" in chunked.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_an_upload_the_store_refuses_is_a_503_that_leaves_nothing(
+    client: TestClient, settings: Settings, tmp_path: Path
+) -> None:
+    """A store that refuses writes (a file stands where its folder must be, as a full disk or a down S3
+    would refuse): was a 500 internal_error naming S3UploadFailedError or OSError."""
+    files = Path(settings.storage_url.removeprefix("file://")) / "files"
+    shutil.rmtree(files, ignore_errors=True)
+    files.write_text("in the way")
+    refused = upload(client, DEMO / "sentiment_train.jsonl")
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "5", refused.text
+    assert refused.json()["error"]["code"] == "storage_unavailable"
+    assert client.get("/v1/files").json()["data"] == []
+    files.unlink()
+    assert upload(client, DEMO / "sentiment_train.jsonl").json()["status"] == "processed"

@@ -3,6 +3,7 @@ pause/resume/cancel round trips, all through real processes (uvicorn, Celery wor
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,7 @@ from tests.support import (
     events,
     submit,
     upload,
+    wait_event,
     wait_for,
     wait_until,
     worker_process,
@@ -115,6 +117,37 @@ def test_a_worker_restarted_on_the_host_of_a_dead_one_takes_its_job_back_at_once
         lost = next(e for e in events(client, job["id"]) if "lost" in e["message"])
     assert done["status"] == "succeeded" and done["attempt"] == 2, done["error"]
     assert "is gone (a new worker on its host found its process dead)" in lost["message"]
+
+
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_storage_refusing_writes_skips_a_checkpoint_and_requeues_an_unstorable_model(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """The store refuses writes (as a full disk or a down S3 would): a checkpoint it refuses is skipped
+    and training goes on; a model it refuses ends the attempt, which is requeued at once and resumes from
+    the last stored checkpoint. Before, either failed the job with an S3UploadFailedError or OSError. The
+    refusal is real: a directory stands where the object's file must go."""
+    store = Path(settings.storage_url.removeprefix("file://"))
+    with embedded.start(settings, log_dir=tmp_path / "logs"):
+        client = Client(settings.api_url)
+        job = submit(client, tmp_path, 120, 10)
+        first = store / "jobs" / job["id"] / "attempt-1"
+        blocked = [first / "checkpoints" / f"step-{n}.tar" for n in range(20, 80, 10)]
+        blocked.append(first / "artifacts" / "pytorch.tar")
+        for path in blocked:
+            (path / "in-the-way").mkdir(parents=True)
+        wait_event(client, job["id"], "Checkpoint at step 20 could not be stored")
+        for path in blocked[:-1]:
+            shutil.rmtree(path)
+        done = wait_for(client, job["id"], TERMINAL, timeout=300)
+        said = [e["message"] for e in events(client, job["id"])]
+        nodes = Client(settings.api_url, api_key=ADMIN_KEY).get("/v1/nodes")["data"]
+    assert done["status"] == "succeeded" and done["attempt"] == 2, done["error"]
+    lost = next(m for m in said if m.startswith("Attempt 1 lost: object storage refused a write"))
+    assert "requeued as attempt 2, resuming from" in lost
+    assert any(m.startswith("Checkpoint at step 80 stored") for m in said)  # training went on after
+    assert not trainers_of(job["id"])
+    assert all(n["free_devices"] == n["devices"] and not n["running"] for n in nodes), nodes
 
 
 @pytest.mark.parametrize("settings", ["embedded"], indirect=True)
