@@ -3,6 +3,7 @@ pause/resume/cancel round trips, all through real processes (uvicorn, Celery wor
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,11 +13,14 @@ from typing import Any
 import psutil
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import select
 
 from api.main import create_app
 from ortune.cli import embedded
 from ortune.cli.client import Client
 from ortune.db.migrate import upgrade
+from ortune.db.models import Artifact, Checkpoint
+from ortune.db.session import session_scope
 from ortune.settings import Settings
 from tests import services
 from tests.support import (
@@ -117,6 +121,59 @@ def test_a_worker_restarted_on_the_host_of_a_dead_one_takes_its_job_back_at_once
         lost = next(e for e in events(client, job["id"]) if "lost" in e["message"])
     assert done["status"] == "succeeded" and done["attempt"] == 2, done["error"]
     assert "is gone (a new worker on its host found its process dead)" in lost["message"]
+
+
+def test_a_frozen_worker_that_wakes_after_its_job_moved_on_writes_nothing(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A worker and its trainer stopped (SIGSTOP: a VM freeze, or a partition the worker cannot notice)
+    past the heartbeat timeout: the job goes on as attempt 2 on another node. When they wake, the old
+    trainer trains on; everything it reports is fenced off. The job's checkpoints, models and metric
+    series are exactly attempt 2's."""
+    s = settings.model_copy(update=FAST_SWEEP)
+    with embedded.start(s, log_dir=tmp_path / "logs") as running:
+        client = Client(s.api_url)
+        job = submit(client, tmp_path, 300, 20)
+        wait_until("a checkpoint", lambda: len(checkpoints(client, job["id"])) >= 1)
+        worker = psutil.Process(running.procs[0].pid)
+        frozen = [worker, *worker.children(recursive=True)]
+        assert trainers_of(job["id"]), "no trainer to freeze"
+        for proc in frozen:
+            proc.suspend()
+        other = s.model_copy(update={"node_name": "other-node"})
+        try:
+            with worker_process(other, "second", tmp_path / "logs" / "worker2.log"):
+                wait_event(client, job["id"], "Attempt 1 lost")
+                wait_until("attempt 2 training", lambda: client.job(job["id"])["progress"]["step"] >= 120)
+                before = client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics", name="train_loss")["data"]
+                for proc in frozen:
+                    proc.resume()
+                done = wait_for(client, job["id"], TERMINAL, timeout=300)
+        finally:
+            for proc in frozen:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.resume()
+        after = client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics", max_points=20000)["data"][
+            "train_loss"
+        ]
+        wait_until("the woken trainer to be killed", lambda: not trainers_of(job["id"]), 60)
+        lost = next(e for e in events(client, job["id"]) if e["message"].startswith("Attempt 1 lost"))
+    assert done["status"] == "succeeded" and done["attempt"] == 2, done["error"]
+    seen = dict(zip(before["train_loss"]["steps"], before["train_loss"]["values"], strict=True))
+    final = dict(zip(after["steps"], after["values"], strict=True))
+    assert sorted(final) == list(range(1, 301))
+    assert {step: final[step] for step in seen} == seen  # the woken trainer overwrote no point
+    with session_scope(s.database_url) as session:
+        resume_step = int(lost["data"]["checkpoint_step"] or 0)
+        keys = session.execute(
+            select(Checkpoint.step, Checkpoint.object_key).where(Checkpoint.job_id == job["id"])
+        )
+        for step, key in keys:
+            assert ("/attempt-2/" in key) == (step > resume_step), (step, key)
+        models = session.scalars(select(Artifact.object_key).where(Artifact.job_id == job["id"])).all()
+    assert models and all("/attempt-2/" in key for key in models), models
+    # and the woken attempt did try: its reports reached the fence (the old worker's own log)
+    assert "of superseded attempt 1" in (tmp_path / "logs" / "worker.log").read_text()
 
 
 @pytest.mark.parametrize("settings", ["embedded"], indirect=True)
