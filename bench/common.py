@@ -24,7 +24,9 @@ def configuration(name: str, tmp: Path) -> Iterator[Settings]:
     tmp.mkdir(parents=True, exist_ok=True)
     queue = f"ortune.bench.{uuid.uuid4().hex[:8]}"
     if name == "embedded":
-        settings = Settings(data_dir=tmp / "state", api_port=services.free_port(), queue=queue)
+        settings = Settings(
+            data_dir=tmp / "state", api_port=services.free_port(), queue=queue, min_checkpoint_seconds=0
+        )
         upgrade(settings.database_url)
         yield settings
         return
@@ -45,6 +47,7 @@ def configuration(name: str, tmp: Path) -> Iterator[Settings]:
             s3_secret_key=s3.secret_key,
             api_port=services.free_port(),
             queue=queue,
+            min_checkpoint_seconds=0,  # the benches' tiny jobs checkpoint as often as they ask
         )
         from ortune.db.session import make_engine
 

@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     # A queued job nobody has taken this long is sent to the broker again (a message lost with Redis).
     requeue_after_seconds: float = 300.0
     pause_grace_seconds: float = 120.0  # for the trainer to checkpoint and exit when paused
+    # Fair use of the store: periodic checkpoints come at most this often, whatever checkpoint_every_steps
+    # asks (a pause's and the last step's are always taken).
+    min_checkpoint_seconds: float = Field(default=30.0, ge=0)
 
     # This worker's node, for multi-process jobs. Devices: CUDA GPUs when there are any, else `node_devices`
     # CPU slots (default 1). The address is where the other nodes of a job reach rank 0 on this one.

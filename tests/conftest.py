@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from pydantic import SecretStr
 
 from api.main import create_app
 from ortune.cli import embedded
@@ -21,7 +20,7 @@ from ortune.cli.client import Client
 from ortune.db.migrate import upgrade
 from ortune.settings import Settings
 from tests import services
-from tests.support import ADMIN_KEY, DEMO, embedded_settings, upload
+from tests.support import DEMO, TEST_DEFAULTS, embedded_settings, upload
 
 RUN = uuid.uuid4().hex[:8]
 
@@ -80,7 +79,7 @@ def settings(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Setting
         s3_secret_key=s3.secret_key,
         api_port=services.free_port(),
         queue=f"ortune.test.{uuid.uuid4().hex[:8]}",
-        admin_api_key=SecretStr(ADMIN_KEY),
+        **TEST_DEFAULTS,
     )
     from ortune.db.session import make_engine
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from ortune.db.migrate import upgrade
 from ortune.settings import Settings
 from tests import services
+from tests.support import TEST_DEFAULTS
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -145,7 +146,7 @@ def deployment(tmp: Path, n_hosts: int, **overrides: object) -> Iterator[Deploym
             api_host=at,
             api_port=services.free_port(),
             queue=f"ortune.hosts.{network.tag}",
-            **overrides,  # type: ignore[arg-type]
+            **(TEST_DEFAULTS | overrides),
         )
         yield Deployment(network, settings, pg, redis)
 

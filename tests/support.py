@@ -32,6 +32,9 @@ DEMO = ROOT / "ortune" / "demo_data"
 TERMINAL = {"succeeded", "failed", "cancelled"}
 T = TypeVar("T")
 ADMIN_KEY = "ortune-test-platform-admin"  # every test deployment's ORTUNE_ADMIN_API_KEY
+# What every test deployment sets: a platform key, and checkpoints as often as a test asks (tiny models
+# train a step in milliseconds; the service's floor would skip them).
+TEST_DEFAULTS: dict[str, Any] = {"admin_api_key": SecretStr(ADMIN_KEY), "min_checkpoint_seconds": 0.0}
 
 
 def rows(n: int, name: str = "sentiment_train.jsonl") -> list[dict[str, Any]]:
@@ -49,7 +52,7 @@ def embedded_settings(tmp: Path, **overrides: Any) -> Settings:
         data_dir=tmp / "state",
         api_port=services.free_port(),
         queue=f"ortune.test.{uuid.uuid4().hex[:8]}",
-        **({"admin_api_key": SecretStr(ADMIN_KEY)} | overrides),
+        **(TEST_DEFAULTS | overrides),
     )
 
 

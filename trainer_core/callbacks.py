@@ -83,6 +83,38 @@ class EventCallback(TrainerCallback):
         )
 
 
+class CheckpointPacing(TrainerCallback):
+    """A floor on the time between periodic checkpoints: a job asking for one every step of a fast model
+    would spend its time, and the store's, on checkpoints. A checkpoint asked for sooner than `min_seconds`
+    after the last is skipped; the last step's, and a pause's (StopOnRequest runs after this and asks
+    again), never are. The ranks vote, so all of them skip or save the same step."""
+
+    def __init__(self, min_seconds: float, events: EventStream) -> None:
+        self.min_seconds, self.events = min_seconds, events
+        self.last = time.monotonic()
+        self.skipped = 0
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if not control.should_save or self.min_seconds <= 0:  # the same on every rank: step-based
+            return
+        soon = time.monotonic() - self.last < self.min_seconds and state.global_step < state.max_steps
+        if ranks.any_rank(soon):
+            control.should_save = False
+            if not self.skipped and ranks.rank() == 0:
+                self.events.message(
+                    f"Checkpoint at step {state.global_step} skipped: the last was taken less than "
+                    f"{self.min_seconds:g} s ago, the minimum interval here; checkpoints come at most "
+                    "that often",
+                    level="warn",
+                    step=state.global_step,
+                )
+            self.skipped += 1
+            return
+        self.last = time.monotonic()
+
+
 class StopOnRequest(TrainerCallback):
     """SIGTERM (a pause, or a node going down): save a checkpoint at the end of the current step and stop.
 

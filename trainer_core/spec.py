@@ -106,6 +106,7 @@ class TrainingSpec(Strict):
     auto_budget_fraction: Annotated[float, Field(gt=0)] = 0.03
     seed: int = 42
     checkpoint_every_steps: Annotated[int, Field(ge=1)] | None = None
+    min_checkpoint_seconds: Annotated[float, Field(ge=0)] = 0.0  # the service's floor (callbacks.py)
     resume_from: str | None = None
     distributed_timeout_seconds: int = 120
     distributed: Distributed = Distributed()

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from trainer_core.backends import BackendChoice
-from trainer_core.callbacks import EventCallback, StopOnRequest
+from trainer_core.callbacks import CheckpointPacing, EventCallback, StopOnRequest
 from trainer_core.data import BucketSampler, Collator
 from trainer_core.datastore import TokenStore
 from trainer_core.events import EventStream
@@ -121,6 +121,7 @@ def build(
         compute_metrics=accuracy if spec.task == "sequence-classification" else None,
         callbacks=[
             EventCallback(events, samples_per_step, collator.padding_fraction),
-            *([stop] if stop else []),
+            CheckpointPacing(spec.min_checkpoint_seconds, events),
+            *([stop] if stop else []),  # after the pacing: a pause's checkpoint is always taken
         ],
     )

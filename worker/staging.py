@@ -103,6 +103,7 @@ def stage(
         seed=job.seed,
         resume_from=resume_from,
         distributed_timeout_seconds=settings.distributed_timeout_seconds,
+        min_checkpoint_seconds=settings.min_checkpoint_seconds,
         backend_decided=decided_backend(job),
         **job.spec.training_fields(),
     )

@@ -4,6 +4,7 @@ pause/resume/cancel round trips, all through real processes (uvicorn, Celery wor
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from tests.support import (
     ADMIN_KEY,
     DEMO,
     TERMINAL,
+    TEST_DEFAULTS,
     checkpoints,
     events,
     submit,
@@ -185,6 +187,7 @@ def test_storage_refusing_writes_skips_a_checkpoint_and_requeues_an_unstorable_m
     the last stored checkpoint. Before, either failed the job with an S3UploadFailedError or OSError. The
     refusal is real: a directory stands where the object's file must go."""
     store = Path(settings.storage_url.removeprefix("file://"))
+    settings = settings.model_copy(update={"min_checkpoint_seconds": 0.001})
     with embedded.start(settings, log_dir=tmp_path / "logs"):
         client = Client(settings.api_url)
         job = submit(client, tmp_path, 120, 10)
@@ -203,6 +206,8 @@ def test_storage_refusing_writes_skips_a_checkpoint_and_requeues_an_unstorable_m
     lost = next(m for m in said if m.startswith("Attempt 1 lost: object storage refused a write"))
     assert "requeued as attempt 2, resuming from" in lost
     assert any(m.startswith("Checkpoint at step 80 stored") for m in said)  # training went on after
+    spec = json.loads((store / "jobs" / job["id"] / "spec.json").read_text())  # the setting reached it
+    assert spec["min_checkpoint_seconds"] == 0.001
     assert not trainers_of(job["id"])
     assert all(n["free_devices"] == n["devices"] and not n["running"] for n in nodes), nodes
 
@@ -469,7 +474,7 @@ def test_a_database_outage_past_the_relays_patience_kills_the_trainer_and_requeu
             database_url=url,
             api_port=services.free_port(),
             queue=f"ortune.test.outage.{services.free_port()}",
-            **FAST_SWEEP,
+            **FAST_SWEEP | TEST_DEFAULTS,
         )
         with embedded.start(s, log_dir=tmp_path / "logs"):
             client = Client(s.api_url)

@@ -141,3 +141,21 @@ def test_a_run_resumed_mid_epoch_trains_on_the_batches_of_an_uninterrupted_one(t
     assert sorted(resumed) == [5, 6, 7, 8]
     for step in (5, 6, 7, 8):
         assert resumed[step] == pytest.approx(through[step], rel=1e-5, abs=1e-6), (step, resumed, through)
+
+
+@pytest.mark.parametrize(("floor", "expected"), [(0.0, [1, 2, 3, 4, 5, 6]), (3600.0, [6])])
+def test_checkpoints_come_no_faster_than_the_services_minimum_interval(
+    tmp_path: Path, floor: float, expected: list[int]
+) -> None:
+    """A checkpoint every step of a fast model: with a floor, only the last step's is taken (it never is
+    held back) and one warning says why; without one, every step's."""
+    spec = spec_for(tmp_path, "sequence-classification", rows(48), checkpoint_every_steps=1, backend="torch")
+    hp = Hyperparameters(max_steps=6, batch_size=8, max_seq_length=32).resolved(48)
+    spec = spec.model_copy(update={"hyperparameters": hp, "min_checkpoint_seconds": floor})
+    code, said, stderr = launch_trainer(spec, tmp_path / "spec.json")
+    assert code == 0, stderr
+    assert [e["step"] for e in said if e["type"] == "checkpoint"] == expected
+    skipped = [e for e in said if e["type"] == "message" and "skipped" in e["message"]]
+    assert len(skipped) == (1 if floor else 0)
+    if floor:
+        assert "less than 3600 s ago, the minimum interval here" in skipped[0]["message"]
