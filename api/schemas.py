@@ -79,6 +79,12 @@ class FileDeleted(BaseModel):
     deleted: bool = True
 
 
+class ModelDeleted(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    deleted: bool = True
+
+
 class SupervisedMethod(BaseModel):
     model_config = ConfigDict(extra="forbid")
     hyperparameters: Hyperparameters | None = None

@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     max_row_chars: int = Field(default=1 * MiB, ge=1024)  # one JSONL line, or one line of a CSV file
     max_steps: int = 1_000_000
     max_concurrent_jobs: int = Field(default=16, ge=1, description="Unfinished jobs per tenant at once.")
+    # Bytes a tenant may keep in object storage (uploads, checkpoints, models); a tenant's own
+    # max_storage_bytes overrides it.
+    max_tenant_storage_bytes: int = Field(default=100 * 1024 * MiB, ge=MiB)
     idempotency_key_hours: float = 24.0
     # Bounds on every API connection to Postgres, so that no request can hold or wait on a lock for ever:
     # a write that waits longer than lock_timeout on another's row is answered (409/503), not stalled.

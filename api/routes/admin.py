@@ -26,6 +26,7 @@ class TenantCreate(BaseModel):
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
     max_concurrent_jobs: Annotated[int, Field(ge=1, le=10_000)] | None = None
     max_priority: Annotated[StrictInt, Field(ge=-100, le=100)] | None = None  # strict: false is no 0
+    max_storage_bytes: Annotated[StrictInt, Field(ge=1)] | None = None
 
 
 class TenantObject(BaseModel):
@@ -34,15 +35,19 @@ class TenantObject(BaseModel):
     name: str
     max_concurrent_jobs: int | None
     max_priority: int | None
+    max_storage_bytes: int | None
+    storage_bytes: int = Field(description="What the tenant keeps in object storage now.")
     created_at: int
 
     @classmethod
-    def of(cls, t: Tenant) -> TenantObject:
+    def of(cls, t: Tenant, storage_bytes: int) -> TenantObject:
         return cls(
             id=t.id,
             name=t.name,
             max_concurrent_jobs=t.max_concurrent_jobs,
             max_priority=t.max_priority,
+            max_storage_bytes=t.max_storage_bytes,
+            storage_bytes=storage_bytes,
             created_at=ts(t.created_at) or 0,
         )
 
@@ -94,8 +99,10 @@ def _tenant(session: SessionDep, tenant_id: str, caller: Caller) -> Tenant:
 def create_tenant(req: TenantCreate, session: SessionDep, _: PlatformDep) -> TenantObject:
     """Create a tenant (its jobs, files and models are invisible to every other tenant)."""
     try:
-        tenant = TenantRepository(session).create(req.name, req.max_concurrent_jobs, req.max_priority)
-        return TenantObject.of(tenant)
+        tenant = TenantRepository(session).create(
+            req.name, req.max_concurrent_jobs, req.max_priority, req.max_storage_bytes
+        )
+        return TenantObject.of(tenant, 0)
     except TenantExists as exc:
         raise Conflict(str(exc), param="name", code="tenant_exists") from exc
 
@@ -103,7 +110,8 @@ def create_tenant(req: TenantCreate, session: SessionDep, _: PlatformDep) -> Ten
 @router.get("/tenants", response_model=Page[TenantObject])
 def list_tenants(session: SessionDep, _: PlatformDep) -> Page[TenantObject]:
     """All tenants, oldest first."""
-    return Page(data=[TenantObject.of(t) for t in TenantRepository(session).list()])
+    tenants = TenantRepository(session)
+    return Page(data=[TenantObject.of(t, tenants.storage_bytes(t.id)) for t in tenants.list()])
 
 
 @router.post("/tenants/{tenant_id}/api_keys", response_model=KeyIssued)

@@ -10,9 +10,9 @@ from sqlalchemy.orm import Session
 from api.auth import CallerDep
 from api.caller import Caller
 from api.deps import ReadDep, SessionDep, SettingsDep, StoreDep
-from api.errors import ERRORS
+from api.errors import ERRORS, APIError
 from api.schemas import FileDeleted, FileObject, Page, page
-from api.services import files, idempotency
+from api.services import files, idempotency, quota
 from api.services.uploads import receive
 from ortune.db.base import new_id
 from ortune.db.models import File
@@ -50,6 +50,9 @@ async def upload_file(
     """Upload a JSONL or CSV training file (multipart, streamed to storage and checked row by row). With an
     `Idempotency-Key`, a retry of the same upload returns the file the first one created."""
     key = idempotency.key_of(request)
+    await run_in_threadpool(
+        _room, settings, caller
+    )  # before the body is read: a full tenant sends it for nothing
     upload = await receive(request, settings.job_work_dir / "uploads", settings.max_upload_bytes)
     digest = idempotency.fingerprint(upload.sha256, upload.filename, sorted(upload.fields.items()))
     # No transaction is open across an await, and every database call runs in a worker thread: a request
@@ -62,7 +65,11 @@ async def upload_file(
         if upload.path is not None:
             upload.path.unlink(missing_ok=True)
     if replayed is None:
-        recorded = await run_in_threadpool(_record, settings, caller, key, digest, file)
+        try:
+            recorded = await run_in_threadpool(_record, settings, caller, key, digest, file)
+        except APIError:
+            await run_in_threadpool(store.delete, file.object_key)  # refused: nothing of it stays
+            raise
         if recorded is file:
             return FileObject.of(file)
         # a request with the same key recorded its file first: this copy is not needed
@@ -78,6 +85,11 @@ def _replay(settings: Settings, caller: Caller, key: str | None, digest: str) ->
         return None if found is None else files.get(session, caller, found)
 
 
+def _room(settings: Settings, caller: Caller) -> None:
+    with session_scope(settings.database_url) as session:
+        quota.check_storage(session, settings, caller)
+
+
 def _record(settings: Settings, caller: Caller, key: str | None, digest: str, file: File) -> File:
     """The key and the file's row in one short transaction; the file a same-key request recorded first."""
     with session_scope(settings.database_url) as session:
@@ -86,6 +98,9 @@ def _record(settings: Settings, caller: Caller, key: str | None, digest: str, fi
         )
         if claim.existing is not None:
             return files.get(session, caller, claim.existing)
+        # Not under the tenant's lock (a job create holds it; an upload must not wait on it): uploads at the
+        # same moment may pass the limit by what they add, no more.
+        quota.check_storage(session, settings, caller, file.bytes, f"the upload {file.filename!r}")
         return FileRepository(session).add(file)
 
 

@@ -3,10 +3,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from api.auth import CallerDep
-from api.deps import SessionDep, SettingsDep
-from api.errors import ERRORS, NotFound
-from api.schemas import ModelObject, Page
-from ortune.db.repositories import JobRepository
+from api.deps import SessionDep, SettingsDep, StoreDep
+from api.errors import ERRORS, APIError, NotFound
+from api.schemas import ModelDeleted, ModelObject, Page
+from ortune.db.models import JobStatus
+from ortune.db.repositories import ArtifactRepository, EventRepository, JobRepository
 from trainer_core import registry
 
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=ERRORS)
@@ -39,3 +40,25 @@ def retrieve_model(
         if model.id == model_id:
             return model
     raise NotFound(f"no model with id {model_id!r}", param="model", code="model_not_found")
+
+
+@router.delete("/{model_id:path}", response_model=ModelDeleted)
+def delete_model(
+    model_id: str, session: SessionDep, settings: SettingsDep, store: StoreDep, caller: CallerDep
+) -> ModelDeleted:
+    """Delete a fine-tuned model: its downloads and its job's checkpoints leave object storage (and the
+    tenant's storage quota); the job and its metrics stay."""
+    job = JobRepository(session).by_fine_tuned_model(caller.tenant_id, model_id)
+    models = ArtifactRepository(session)
+    if job is None or job.status != JobStatus.succeeded or not models.for_job(job.id):  # or deleted already
+        if any(m.id == model_id for m in registry.list_models(settings.models_dir)):
+            raise APIError(
+                f"{model_id!r} is a base model; only fine-tuned models can be deleted", param="model"
+            )
+        raise NotFound(f"no fine-tuned model with id {model_id!r}", param="model", code="model_not_found")
+    keys = models.remove_model(job.id)
+    EventRepository(session).add(job.id, f"The fine-tuned model was deleted ({len(keys)} stored objects)")
+    session.commit()  # the rows go first: an object deleted under a row that still names it is worse
+    for key in keys:
+        store.delete(key)
+    return ModelDeleted(id=model_id)

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 from api.caller import Caller
 from api.errors import APIError, Conflict, NotFound, TooManyRequests
 from api.schemas import JobCreate
+from api.services import quota
 from ortune import lifecycle
 from ortune.db.base import new_id
 from ortune.db.models import File, FileStatus, Job, JobStatus, Tenant
@@ -196,6 +197,7 @@ def _check_quota(session: Session, settings: Settings, caller: Caller) -> Tenant
             param="max_concurrent_jobs",
             code="quota_exceeded",
         )
+    quota.check_storage(session, settings, caller)  # a job stores checkpoints and models of its own
     return tenant
 
 

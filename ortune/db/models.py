@@ -89,6 +89,9 @@ class Tenant(Base):
     max_concurrent_jobs: Mapped[int | None] = mapped_column(Integer)
     # The highest job priority the tenant's jobs get (a higher one asked for is lowered to it); None: any.
     max_priority: Mapped[int | None] = mapped_column(Integer)
+    # Bytes of uploads, checkpoints and models the tenant may keep in object storage; None: the
+    # deployment's limit.
+    max_storage_bytes: Mapped[int | None] = mapped_column(BigCount)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

@@ -282,6 +282,12 @@ def test_models_list_base_and_fine_tuned(
         JobRepository(session).update(
             job["id"], status="succeeded", fine_tuned_model=f"ft:tiny-bert:x:{job['id']}"
         )
+        # a model is listed while its files are stored (DELETE /v1/models removes them)
+        ArtifactRepository(session).put(
+            Artifact(
+                job_id=job["id"], format="pytorch", object_key="k", bytes=1, sha256="0" * 64, manifest={}
+            )
+        )
     assert client.get(f"/v1/models/ft:tiny-bert:x:{job['id']}").json()["owned_by"] == "ortune:fine-tuned"
     assert client.get("/v1/models/sentence-transformers/all-MiniLM-L6-v2").status_code == 200
     assert client.get("/v1/models/nope").status_code == 404

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,9 +14,11 @@ from pydantic import SecretStr
 from sqlalchemy import update
 
 from api.main import create_app
-from ortune.db.models import Job, JobStatus
+from ortune.db.models import Artifact, Checkpoint, Job, JobStatus
+from ortune.db.repositories import ArtifactRepository, CheckpointRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
+from ortune.storage import ObjectNotFound
 from tests.support import ADMIN_KEY, DEMO
 
 ADMIN = "ortune-admin-test-key"
@@ -79,6 +82,11 @@ def test_every_path_is_scoped_to_its_tenant(secured: TestClient, settings: Setti
     with session_scope(settings.database_url) as session:  # as if it had trained
         session.execute(
             update(Job).where(Job.id == job["id"]).values(status=JobStatus.succeeded, fine_tuned_model=model)
+        )
+        ArtifactRepository(session).put(
+            Artifact(
+                job_id=job["id"], format="pytorch", object_key="k", bytes=1, sha256="0" * 64, manifest={}
+            )
         )
     ids = {"job_id": job["id"], "file_id": file["id"], "model_id": model, "fmt": "pytorch"}
 
@@ -308,3 +316,90 @@ def test_the_api_refuses_to_run_open_over_a_database_with_keys(settings: Setting
         told = settings.model_copy(update={"require_api_key": choice})
         with TestClient(create_app(told)) as client:
             assert client.get("/healthz").status_code == 200
+
+
+def test_a_tenants_storage_quota_counts_uploads_and_models(secured: TestClient) -> None:
+    size = (DEMO / "sentiment_train.jsonl").stat().st_size
+    key = tenant_key(secured, "hank", max_storage_bytes=2 * size - 1)  # room for one upload, not two
+    first = upload(secured, key)
+    assert first.status_code == 200, first.text
+    refused = upload(secured, key)
+    assert refused.status_code == 429, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "storage_quota_exceeded" and error["param"] == "max_storage_bytes"
+    assert f"keeps {size:,} bytes in storage and may keep {2 * size - 1:,}" in error["message"]
+    assert [f["id"] for f in secured.get("/v1/files", headers=bearer(key)).json()["data"]] == [
+        first.json()["id"]
+    ]
+    tenants = secured.get("/v1/admin/tenants", headers=bearer(ADMIN)).json()["data"]
+    assert next(t for t in tenants if t["name"] == "hank")["storage_bytes"] == size  # nothing of the refused
+
+    full = tenant_key(secured, "ivy", max_storage_bytes=size)  # exactly one upload: then no room for a job
+    file = upload(secured, full).json()
+    job = create_job(secured, full, file["id"])
+    assert job.status_code == 429 and job.json()["error"]["code"] == "storage_quota_exceeded"
+
+    assert secured.delete(f"/v1/files/{first.json()['id']}", headers=bearer(key)).status_code == 200
+    assert upload(secured, key).status_code == 200  # deleting made room
+
+
+def test_deleting_a_fine_tuned_model_frees_its_storage(secured: TestClient, settings: Settings) -> None:
+    key = tenant_key(secured, "judy")
+    other = tenant_key(secured, "ken")
+    file = upload(secured, key).json()
+    job = create_job(secured, key, file["id"]).json()
+    store = secured.app.state.store  # type: ignore[attr-defined]
+    model = f"ft:tiny-bert:judy:{job['id']}"
+    stored = {
+        f"jobs/{job['id']}/attempt-1/artifacts/pytorch.tar": 3000,
+        f"jobs/{job['id']}/attempt-1/checkpoints/step-5.tar": 2000,
+    }
+    for object_key, n in stored.items():
+        store.put_fileobj(object_key, io.BytesIO(b"x" * n))
+    with session_scope(settings.database_url) as session:
+        session.execute(
+            update(Job).where(Job.id == job["id"]).values(status=JobStatus.succeeded, fine_tuned_model=model)
+        )
+        keys = list(stored)
+        ArtifactRepository(session).put(
+            Artifact(
+                job_id=job["id"],
+                format="pytorch",
+                object_key=keys[0],
+                bytes=3000,
+                sha256="0" * 64,
+                manifest={},
+            )
+        )
+        CheckpointRepository(session).add(
+            Checkpoint(
+                id="ftckpt-t",
+                job_id=job["id"],
+                step=5,
+                object_key=keys[1],
+                bytes=2000,
+                sha256="0" * 64,
+                metrics={},
+            )
+        )
+    usage = lambda: next(  # noqa: E731
+        t
+        for t in secured.get("/v1/admin/tenants", headers=bearer(ADMIN)).json()["data"]
+        if t["name"] == "judy"
+    )["storage_bytes"]
+    assert usage() == file["bytes"] + 5000
+    assert model in [m["id"] for m in secured.get("/v1/models", headers=bearer(key)).json()["data"]]
+    assert secured.delete(f"/v1/models/{model}", headers=bearer(other)).status_code == 404  # not ken's
+    assert secured.delete("/v1/models/tiny-bert", headers=bearer(key)).status_code == 400  # a base model
+
+    deleted = secured.delete(f"/v1/models/{model}", headers=bearer(key))
+    assert deleted.status_code == 200 and deleted.json() == {"id": model, "object": "model", "deleted": True}
+    assert usage() == file["bytes"]
+    for object_key in stored:
+        with pytest.raises(ObjectNotFound):
+            store.stat(object_key)
+    assert model not in [m["id"] for m in secured.get("/v1/models", headers=bearer(key)).json()["data"]]
+    assert secured.delete(f"/v1/models/{model}", headers=bearer(key)).status_code == 404  # once
+    assert (
+        secured.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=bearer(key)).json()["status"] == "succeeded"
+    )

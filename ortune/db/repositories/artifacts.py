@@ -86,3 +86,19 @@ class ArtifactRepository(Repository):
 
     def for_job(self, job_id: str) -> list[Artifact]:
         return list(self.session.scalars(select(Artifact).where(Artifact.job_id == job_id)))
+
+    def remove_model(self, job_id: str) -> list[str]:
+        """Delete a job's models and checkpoints (rows); the object keys nothing else refers to any more, for
+        the caller to delete once this is committed (a search shares its best trial's objects)."""
+        models = self.for_job(job_id)
+        checkpoints = list(self.session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)))
+        keys = [c.object_key for c in checkpoints] + [p for c in checkpoints for p in (c.parts or [])]
+        for row in [*models, *checkpoints]:
+            self.session.delete(row)
+        self.session.flush()
+        shared = set(
+            self.session.scalars(
+                select(Artifact.object_key).where(Artifact.object_key.in_([a.object_key for a in models]))
+            )
+        )
+        return keys + [a.object_key for a in models if a.object_key not in shared]

@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import func, or_, select, update
 
 from ortune.db.base import utcnow
-from ortune.db.models import Job, JobStatus
+from ortune.db.models import Artifact, Job, JobStatus
 from ortune.db.repositories.base import Repository, keyset_after, page_anchor
 
 # An attempt's writes count while its job is running or paused on it (a cancelled one's last events too);
@@ -151,7 +151,15 @@ class JobRepository(Repository):
         return {status: n for status, n in self.session.execute(stmt)}
 
     def fine_tuned_models(self, tenant_id: str) -> Sequence[tuple[str, datetime]]:
+        """The tenant's fine-tuned models that still have their files (DELETE /v1/models removes them)."""
         stmt = select(Job.fine_tuned_model, Job.finished_at).where(
-            Job.tenant_id == tenant_id, Job.status == JobStatus.succeeded, Job.fine_tuned_model.is_not(None)
+            Job.tenant_id == tenant_id,
+            Job.status == JobStatus.succeeded,
+            Job.fine_tuned_model.is_not(None),
+            select(Artifact.job_id).where(Artifact.job_id == Job.id).exists(),
         )
         return [(m, t or utcnow()) for m, t in self.session.execute(stmt) if m]
+
+    def by_fine_tuned_model(self, tenant_id: str, model: str) -> Job | None:
+        stmt = select(Job).where(Job.tenant_id == tenant_id, Job.fine_tuned_model == model)
+        return self.session.scalars(stmt).first()

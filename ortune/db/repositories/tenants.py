@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from sqlalchemy import func, select
 
 from ortune.db.base import new_id, utcnow
-from ortune.db.models import APIKey, Job, JobStatus, Tenant
+from ortune.db.models import APIKey, Artifact, Checkpoint, File, Job, JobStatus, Tenant
 from ortune.db.repositories.base import Repository
 
 KEY_PREFIX = "ortune-sk-"
@@ -43,12 +43,20 @@ class TenantRepository(Repository):
         return self.session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.id)).all()
 
     def create(
-        self, name: str, max_concurrent_jobs: int | None = None, max_priority: int | None = None
+        self,
+        name: str,
+        max_concurrent_jobs: int | None = None,
+        max_priority: int | None = None,
+        max_storage_bytes: int | None = None,
     ) -> Tenant:
         if self.by_name(name) is not None:
             raise TenantExists(f"a tenant named {name!r} exists already")
         tenant = Tenant(
-            id=new_id("tenant"), name=name, max_concurrent_jobs=max_concurrent_jobs, max_priority=max_priority
+            id=new_id("tenant"),
+            name=name,
+            max_concurrent_jobs=max_concurrent_jobs,
+            max_priority=max_priority,
+            max_storage_bytes=max_storage_bytes,
         )
         self.session.add(tenant)
         self.session.flush()
@@ -62,6 +70,27 @@ class TenantRepository(Repository):
         plain FOR UPDATE would make wait for the create's whole transaction."""
         stmt = select(Tenant).where(Tenant.id == tenant_id).with_for_update(key_share=True)
         return self.session.scalars(stmt).first()
+
+    def storage_bytes(self, tenant_id: str) -> int:
+        """What the tenant keeps in object storage: its files (not deleted), its jobs' checkpoints, and their
+        models (an object a search's trial shares with its search counted once)."""
+        files = select(func.coalesce(func.sum(File.bytes), 0)).where(
+            File.tenant_id == tenant_id, File.deleted.is_(False)
+        )
+        checkpoints = (
+            select(func.coalesce(func.sum(Checkpoint.bytes), 0))
+            .join(Job, Job.id == Checkpoint.job_id)
+            .where(Job.tenant_id == tenant_id)
+        )
+        models = (
+            select(Artifact.object_key, func.max(Artifact.bytes).label("bytes"))
+            .join(Job, Job.id == Artifact.job_id)
+            .where(Job.tenant_id == tenant_id)
+            .group_by(Artifact.object_key)
+            .subquery()
+        )
+        stored = select(func.coalesce(func.sum(models.c.bytes), 0))
+        return sum(int(self.session.scalar(q) or 0) for q in (files, checkpoints, stored))
 
     def unfinished_jobs(self, tenant_id: str) -> int:
         """Queued, running and paused jobs, a search's trials included: each holds a worker."""
