@@ -252,11 +252,11 @@ def _upload_parts(settings: Settings, store: ObjectStore, job: Job, workdir: Pat
             continue  # rank 0 is still saving (or uploading) it
         key = f"{attempt_prefix(job)}/checkpoints/step-{step}.node-{rank}.tar"
         archive = workdir / f"part-{step}.tar"
-        pack_dir(path, archive)
+        _, digest = pack_dir(path, archive)
         store.put_path(key, archive)
         archive.unlink()
         with session_scope(settings.database_url) as session:
-            CheckpointRepository(session).add_part(job.id, step, key)
+            CheckpointRepository(session).add_part(job.id, step, key, digest)
         shutil.rmtree(path)  # stored; this node never reads it again
 
 

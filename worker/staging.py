@@ -147,14 +147,18 @@ class CorruptCheckpoint(RuntimeError):
     """A stored checkpoint that is not what was stored: refused before anything in it is unpacked."""
 
 
-def _unpack(store: ObjectStore, target: Path, keys: list[str], sha256: str) -> Path:
-    """Fetch a checkpoint's archives and unpack them into `target`; the main archive's sha256 is checked
-    first, since a resume unpickles the optimizer and RNG state it holds."""
+def _unpack(store: ObjectStore, target: Path, digests: dict[str, str | None]) -> Path:
+    """Fetch a checkpoint's archives (the main one first, then other nodes' parts) and unpack them into
+    `target`, each only once its sha256 is the one recorded: a resume unpickles the optimizer and RNG state
+    they hold (under ZeRO, the parts hold optimizer shards)."""
     shutil.rmtree(target, ignore_errors=True)
-    for n, key in enumerate(keys):
+    keys = list(digests)
+    for n, (key, sha256) in enumerate(digests.items()):
         archive = target.parent / f"resume-{n}.tar"
+        if sha256 is None:  # a part recorded before parts had digests: nothing to check it against
+            raise CorruptCheckpoint(f"checkpoint part {key} has no recorded sha256; it was not unpacked")
         store.get_to_path(key, archive)
-        if n == 0 and (got := sha256_file(archive)) != sha256:
+        if (got := sha256_file(archive)) != sha256:
             archive.unlink()
             raise CorruptCheckpoint(
                 f"checkpoint {key} failed its sha256 check (stored {sha256[:12]}…, read {got[:12]}…); "
@@ -178,16 +182,16 @@ def resume_point(
     unpacks all of them into one directory, as the Trainer (and DeepSpeed) expect."""
     nodes = job.spec.distributed.nodes
     with session_scope(settings.database_url) as session:
-        complete = [
-            (c.step, c.sha256, [c.object_key, *(c.parts or [])])
+        complete: list[tuple[int, dict[str, str | None]]] = [
+            (c.step, {c.object_key: c.sha256, **{k: (c.part_sha256 or {}).get(k) for k in c.parts or []}})
             for c in CheckpointRepository(session).newest_first(job.id)
             if len(c.parts or []) >= nodes - 1
         ]
     found: Path | None = None
     step = 0
-    for checkpoint_step, sha256, keys in complete:
+    for checkpoint_step, digests in complete:
         try:
-            found, step = _unpack(store, workdir / "resume", keys, sha256), checkpoint_step
+            found, step = _unpack(store, workdir / "resume", digests), checkpoint_step
             break
         except CorruptCheckpoint as exc:  # never unpacked: the next older checkpoint is tried
             if lead:

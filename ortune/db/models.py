@@ -240,6 +240,9 @@ class Checkpoint(Base):
     # A multi-process job's checkpoint also has a part per other node (its ranks' RNG state, and under
     # ZeRO their optimizer shards): the object keys, added as each node uploads its part.
     parts: Mapped[list[str] | None] = mapped_column(JSONType)
+    # Each part's sha256 by its key: a part (under ZeRO, optimizer shards a resume unpickles) is checked
+    # before it is unpacked, like the main archive.
+    part_sha256: Mapped[dict[str, str] | None] = mapped_column(JSONType)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

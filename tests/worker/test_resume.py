@@ -13,14 +13,16 @@ from ortune.db.repositories import CheckpointRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from ortune.storage import pack_dir
-from tests.support import stored_job
+from tests.support import job_spec, stored_job
+from trainer_core.spec import Distributed
 from worker.staging import resume_point, store_of
 
 
-def job_with_checkpoints(settings: Settings, tmp: Path, steps: list[int]) -> Job:
+def job_with_checkpoints(settings: Settings, tmp: Path, steps: list[int], nodes: int = 1) -> Job:
     store = store_of(settings)
+    spec = job_spec(distributed=Distributed(nodes=nodes))
     with session_scope(settings.database_url) as session:
-        job = stored_job(session, status=JobStatus.running, attempt=2)
+        job = stored_job(session, status=JobStatus.running, attempt=2, spec=spec, world_size=nodes)
         for step in steps:
             folder = tmp / f"c{step}" / f"checkpoint-{step}"
             folder.mkdir(parents=True)
@@ -55,3 +57,30 @@ def test_a_damaged_checkpoint_is_not_unpacked_and_the_older_one_resumes(
 
     store.put_path(f"jobs/{job.id}/checkpoints/10.tar", tampered)
     assert resume_point(settings, store, job, tmp_path / "work2") is None  # nothing usable: start over
+
+
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_another_nodes_damaged_part_is_not_unpacked_either(settings: Settings, tmp_path: Path) -> None:
+    """A two-node job's checkpoint: rank 0's archive and node 1's part (under ZeRO, its optimizer shards,
+    which a resume unpickles). The part was unpacked unchecked; now it is checked like the main one."""
+    job = job_with_checkpoints(settings, tmp_path, [10, 20], nodes=2)
+    store = store_of(settings)
+    with session_scope(settings.database_url) as session:
+        for step in (10, 20):
+            folder = tmp_path / f"p{step}" / f"checkpoint-{step}"
+            folder.mkdir(parents=True)
+            (folder / "rng_state_1.pth").write_bytes(b"rank 1")
+            _, digest = pack_dir(folder, tmp_path / f"p{step}.tar")
+            key = f"jobs/{job.id}/checkpoints/{step}.node-1.tar"
+            store.put_path(key, tmp_path / f"p{step}.tar")
+            assert CheckpointRepository(session).add_part(job.id, step, key, digest)
+    tampered = tmp_path / "tampered.tar"
+    tampered.write_bytes(b"\0" * 1024)
+    store.put_path(f"jobs/{job.id}/checkpoints/20.node-1.tar", tampered)
+
+    found = resume_point(settings, store, job, tmp_path / "work")
+    assert found is not None and Path(found).name == "checkpoint-10"
+    assert (Path(found) / "rng_state_1.pth").read_bytes() == b"rank 1"  # the good part is there
+    with session_scope(settings.database_url) as session:
+        messages = [e.message for e in session.query(JobEvent).filter_by(job_id=job.id)]
+    assert any("20.node-1.tar failed its sha256 check" in m for m in messages)

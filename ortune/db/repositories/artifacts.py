@@ -27,7 +27,7 @@ class CheckpointRepository(Repository):
         stmt = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())
         return self.session.scalars(stmt).all()
 
-    def add_part(self, job_id: str, step: int, key: str) -> bool:
+    def add_part(self, job_id: str, step: int, key: str, sha256: str) -> bool:
         """Add another node's part to a checkpoint; False while rank 0 has not recorded the checkpoint."""
         stmt = select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
         checkpoint = self.session.scalars(stmt.with_for_update()).first()
@@ -35,6 +35,7 @@ class CheckpointRepository(Repository):
             return False
         if key not in (checkpoint.parts or []):
             checkpoint.parts = [*(checkpoint.parts or []), key]
+        checkpoint.part_sha256 = {**(checkpoint.part_sha256 or {}), key: sha256}
         self.session.flush()
         return True
 
