@@ -53,10 +53,13 @@ class Reader:
     not leave its pooled connection half checked in.
     """
 
-    def __init__(self, database_url: str) -> None:
+    def __init__(self, database_url: str, limits: dict[str, int] | None = None) -> None:
+        """`limits`: the Postgres session settings (lock and statement timeouts, ms) of every read connection,
+        as `ortune.db.session.limit_postgres_sessions` sets them on the API's other connections."""
         self.database_url = database_url
-        self._async = async_read_session_factory(database_url)
-        self._direct = reads.direct_reads(database_url)
+        frozen = tuple(sorted((limits or {}).items()))
+        self._async = async_read_session_factory(database_url, frozen)
+        self._direct = reads.direct_reads(database_url, dict(frozen))
 
     async def rows(self, stmt: Select[Any], **params: Any) -> list[reads.Row]:
         """One of `api.reads`' statements, on the driver itself (see there)."""

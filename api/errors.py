@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -9,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
@@ -81,6 +82,8 @@ class Unavailable(APIError):
     type = "server_error"
 
 
+log = logging.getLogger(__name__)
+
 # Postgres: lock_timeout (lock_not_available) and statement_timeout (query_canceled) ran out
 BUSY = ("55P03", "57014")
 
@@ -142,6 +145,13 @@ def _allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
+def _internal(exc: Exception) -> JSONResponse:
+    return JSONResponse(
+        body(f"internal error: {type(exc).__name__}", code="internal_error", type="server_error"),
+        status_code=500,
+    )
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -187,8 +197,9 @@ def install(app: FastAPI) -> None:
             message = f"{request.method} is not allowed on {request.url.path}; use {', '.join(allowed)}"
         return JSONResponse(body(message, code=code), status_code=exc.status_code, headers=headers)
 
-    @app.exception_handler(OperationalError)
-    async def _db_down(_: Request, exc: OperationalError) -> JSONResponse:
+    @app.exception_handler(DBAPIError)
+    async def _db_down(_: Request, exc: DBAPIError) -> JSONResponse:
+        # SQLAlchemy's asyncpg dialect raises a timeout as a bare DBAPIError; the sqlstate says what it was
         if getattr(exc.orig, "sqlstate", None) in BUSY:
             return JSONResponse(
                 body(
@@ -200,6 +211,11 @@ def install(app: FastAPI) -> None:
                 status_code=503,
                 headers={"Retry-After": "1"},
             )
+        if not isinstance(exc, OperationalError):
+            log.error(
+                "database error in a request", exc_info=exc
+            )  # a 500 handled here is not logged by Starlette
+            return _internal(exc)
         return JSONResponse(
             body(
                 "the database is unavailable; retry shortly", code="database_unavailable", type="server_error"
@@ -222,7 +238,4 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(
-            body(f"internal error: {type(exc).__name__}", code="internal_error", type="server_error"),
-            status_code=500,
-        )
+        return _internal(exc)

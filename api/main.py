@@ -44,14 +44,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Managed fine-tuning jobs in OpenAI's REST shapes, trained with ONNX Runtime.",
     )
     app.state.settings = settings
-    limit_postgres_sessions(
-        settings.database_url,
-        {
-            "lock_timeout": settings.api_lock_timeout_ms,
-            "statement_timeout": settings.api_statement_timeout_ms,
-            "idle_in_transaction_session_timeout": settings.api_idle_in_transaction_timeout_ms,
-        },
-    )
+    limits = {
+        "lock_timeout": settings.api_lock_timeout_ms,
+        "statement_timeout": settings.api_statement_timeout_ms,
+        "idle_in_transaction_session_timeout": settings.api_idle_in_transaction_timeout_ms,
+    }
+    limit_postgres_sessions(settings.database_url, limits)
     app.state.store = open_store(
         settings.storage_url,
         access_key=settings.s3_access_key,
@@ -59,7 +57,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         region=settings.s3_region,
     )
     app.state.key_cache = KeyCache(settings.api_key_cache_seconds)
-    app.state.reader = Reader(settings.database_url)
+    app.state.reader = Reader(settings.database_url, limits)
     app.state.metrics = CollectorRegistry()
     app.state.metrics.register(JobCollector(settings.database_url))
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)

@@ -129,10 +129,13 @@ class PgReads(DirectReads):
 
     dialect = PGDialect_asyncpg(paramstyle="numeric_dollar")
 
-    def __init__(self, database_url: str, max_size: int = 20) -> None:
+    def __init__(self, database_url: str, max_size: int = 20, limits: dict[str, int] | None = None) -> None:
         super().__init__()
         self.dsn = make_url(database_url).set(drivername="postgresql").render_as_string(hide_password=False)
         self.max_size = max_size
+        self.server_settings = {
+            name: str(ms) for name, ms in (limits or {}).items()
+        }  # lock/statement timeouts
         self._pool: asyncpg.Pool | None = None
         self._opening = asyncio.Lock()  # the first requests arrive together: one pool, not one each
 
@@ -146,7 +149,12 @@ class PgReads(DirectReads):
         async with self._opening:
             if self._pool is None:
                 self._pool = await asyncpg.create_pool(
-                    self.dsn, min_size=0, max_size=self.max_size, init=_json_codecs, reset=_keep
+                    self.dsn,
+                    min_size=0,
+                    max_size=self.max_size,
+                    init=_json_codecs,
+                    reset=_keep,
+                    server_settings=self.server_settings,
                 )
             return self._pool
 
@@ -193,24 +201,25 @@ class SqliteReads(DirectReads):
             raise OperationalError(sql, None, exc) from exc
 
 
-def direct_reads(database_url: str) -> DirectReads:
+def direct_reads(database_url: str, limits: dict[str, int] | None = None) -> DirectReads:
     if make_url(database_url).get_backend_name() == "sqlite":
         return SqliteReads(database_url)
-    return PgReads(database_url)
+    return PgReads(database_url, limits=limits)
 
 
 @contextmanager
 def unreachable_as_operational_error(what: str) -> Iterator[None]:
-    """A Postgres that asyncpg cannot reach, raised as SQLAlchemy's OperationalError: the shape the API
-    answers with a 503. (SQLAlchemy's own asyncpg dialect lets a refused connection through as a bare
+    """A Postgres that asyncpg cannot reach, or a read that waited past the session's lock or statement
+    timeout, raised as SQLAlchemy's OperationalError: the shape the API answers with a 503 (database_busy
+    by the error's sqlstate). (SQLAlchemy's own asyncpg dialect lets a refused connection through as a bare
     OSError.)"""
     try:
         yield
     except (
         OSError,
-        asyncpg.CannotConnectNowError,
         asyncpg.PostgresConnectionError,
-        asyncpg.ConnectionDoesNotExistError,
+        asyncpg.exceptions.OperatorInterventionError,  # shutdowns, cannot-connect-now, statement_timeout
+        asyncpg.exceptions.LockNotAvailableError,  # lock_timeout
     ) as exc:
         raise OperationalError(what, None, exc) from exc
 

@@ -78,7 +78,9 @@ def read_session_factory(url: str) -> sessionmaker[Session]:
 
 
 @lru_cache(maxsize=8)
-def async_read_session_factory(url: str) -> async_sessionmaker[AsyncSession] | None:
+def async_read_session_factory(
+    url: str, limits: tuple[tuple[str, int], ...] = ()
+) -> async_sessionmaker[AsyncSession] | None:
     """The API's reads on Postgres (its GETs), on the event loop, through asyncpg; None for SQLite.
 
     A read's ORM code runs unchanged through `AsyncSession.run_sync`, with no hop to a thread pool: the hop
@@ -88,7 +90,8 @@ def async_read_session_factory(url: str) -> async_sessionmaker[AsyncSession] | N
     of autocommit at every checkout cost more CPU than the query. Nor do they ping a connection before each
     use: a read that meets a dead one is retried once (api.deps.Reader; the pool is invalidated by then),
     which costs nothing while the database is up. No overflow: past 20 reads at once, a read waits for a
-    connection (the hot reads have a pool of their own besides, ortune.db.reads).
+    connection (the hot reads have a pool of their own besides, ortune.db.reads). `limits`: session settings
+    (lock and statement timeouts, ms) set as each connection opens.
     """
     parsed = make_url(url)
     if parsed.get_backend_name() != "postgresql":
@@ -100,6 +103,7 @@ def async_read_session_factory(url: str) -> async_sessionmaker[AsyncSession] | N
         json_deserializer=orjson.loads,
         pool_size=POOL["pool_size"],
         max_overflow=0,
+        connect_args={"server_settings": {name: str(ms) for name, ms in limits}},
     )
     return async_sessionmaker(engine, expire_on_commit=False)
 

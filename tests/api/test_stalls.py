@@ -181,3 +181,29 @@ def test_a_write_waiting_past_the_lock_timeout_is_a_503_database_busy(
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "database_busy" and response.headers["retry-after"] == "1"
     assert slowest < 2.0
+
+
+def test_a_read_behind_a_table_lock_is_a_503_not_a_hang(settings: Settings, tmp_path: Path) -> None:
+    """GETs run on asyncpg (the hot reads' own pool and the async ORM reads), whose connections had no
+    lock or statement timeout: behind a migration's ACCESS EXCLUSIVE lock a poll waited for ever."""
+    s = settings.model_copy(update={"api_lock_timeout_ms": 500})
+    with api(s, tmp_path) as url:
+        file = upload(url, write_jsonl(tmp_path / "t.jsonl", rows(32))).json()
+        job = httpx.post(
+            f"{url}/v1/fine_tuning/jobs", json={"model": "tiny-bert", "training_file": file["id"]}
+        )
+        reads = [
+            f"/v1/fine_tuning/jobs/{job.json()['id']}",
+            "/v1/fine_tuning/jobs",
+            f"/v1/files/{file['id']}",
+        ]
+        assert all(httpx.get(url + path).status_code == 200 for path in reads)  # the pools are open
+        with session_scope(s.database_url) as session:
+            session.execute(text("LOCK TABLE jobs, files IN ACCESS EXCLUSIVE MODE"))  # as ALTER TABLE takes
+            responses, slowest = while_healthy(
+                url, [lambda p=path: httpx.get(url + p, timeout=30) for path in reads]
+            )
+    for path, response in zip(reads, responses, strict=True):
+        assert response.status_code == 503, (path, response.text)
+        assert response.json()["error"]["code"] == "database_busy", path
+    assert slowest < 2.0
