@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
@@ -145,6 +145,20 @@ def _allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
+def _unavailable(exc: DBAPIError) -> bool:
+    """The database went away or is going (a connection dropped, a shutdown, a restart), whatever class
+    the driver's dialect gave it: SQLAlchemy's asyncpg dialect raises a dropped connection as a bare
+    DBAPIError or an InterfaceError, which the two-host soak saw as a 500 during a Postgres restart."""
+    sqlstate = str(getattr(exc.orig, "sqlstate", None) or "")
+    return (
+        isinstance(exc, OperationalError | InterfaceError)
+        or exc.connection_invalidated
+        or sqlstate.startswith(
+            ("08", "57P")
+        )  # connection exceptions; admin/crash shutdown, cannot connect now
+    )
+
+
 def _internal(exc: Exception) -> JSONResponse:
     return JSONResponse(
         body(f"internal error: {type(exc).__name__}", code="internal_error", type="server_error"),
@@ -211,10 +225,8 @@ def install(app: FastAPI) -> None:
                 status_code=503,
                 headers={"Retry-After": "1"},
             )
-        if not isinstance(exc, OperationalError):
-            log.error(
-                "database error in a request", exc_info=exc
-            )  # a 500 handled here is not logged by Starlette
+        if not _unavailable(exc):
+            log.error("database error in a request", exc_info=exc)  # Starlette logs no 500 handled here
             return _internal(exc)
         return JSONResponse(
             body(
