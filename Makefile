@@ -22,11 +22,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Debian packages the tests and benches use: chromium (the dashboard's browser test) and wrk (bench/api_load).
+# Debian packages the tests and benches use: chromium (the dashboard's browser test), wrk (bench/api_load) and
+# iproute2's `ip` (the two-host test's network namespaces).
 system-deps:
-	@command -v chromium >/dev/null && command -v wrk >/dev/null || { \
+	@command -v chromium >/dev/null && command -v wrk >/dev/null && command -v ip >/dev/null || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium wrk; }
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium wrk iproute2; }
 
 setup-ort: $(STAMP)
 	$(BIN)/ortune setup-ort
