@@ -83,7 +83,10 @@ def succeed(session: Session, job: Job, attempt: int) -> bool:
         worker=None,
     ):
         return False
-    EventRepository(session).add(job.id, f"The job has successfully completed: {name}")
+    stored = JobRepository(session).get(job.id)
+    failed = ((stored.result if stored else None) or {}).get("failed_artifacts") or {}
+    without = f" (without its {', '.join(failed)} model, whose export failed: see above)" if failed else ""
+    EventRepository(session).add(job.id, f"The job has successfully completed: {name}{without}")
     return True
 
 

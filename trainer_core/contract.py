@@ -75,6 +75,8 @@ class ResultEvent(Event):
     steps: int
     trained_tokens: int
     onnx_max_abs_diff: float | None
+    # formats that could not be made, with the reason (a failed ONNX export); the job keeps the others
+    failed_artifacts: NotRequired[dict[str, str]]
 
 
 class StoppedEvent(Event):

@@ -141,17 +141,31 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     pt = export.save_pytorch(model, loaded.tokenizer, out / "pytorch", manifest)
     events.emit("artifact", format="pytorch", path=str(out / "pytorch"), manifest=pt)
     samples = (valid_set or train_set).meta.samples
-    onnx = export.export_onnx(
-        model, loaded.tokenizer, out / "onnx", samples, manifest, max_len=spec.hyperparameters.max_seq_length
-    )
-    events.emit("artifact", format="onnx", path=str(out / "onnx"), manifest=onnx)
+    failed: dict[str, str] = {}
+    parity: float | None = None
+    try:
+        onnx = export.export_onnx(
+            model,
+            loaded.tokenizer,
+            out / "onnx",
+            samples,
+            manifest,
+            max_len=spec.hyperparameters.max_seq_length,
+        )
+        events.emit("artifact", format="onnx", path=str(out / "onnx"), manifest=onnx)
+        parity = onnx["parity"]["max_abs_diff"]
+    except export.ExportError as exc:
+        # the training succeeded and its PyTorch model is stored: a failed export costs that artifact only
+        failed["onnx"] = str(exc)
+        events.message(f"{exc}; the job keeps its PyTorch model", level="warn", format="onnx")
     tokens = train_set.meta.tokens * spec.hyperparameters.n_epochs
     events.emit(
         "result",
         metrics=final,
         steps=hf_trainer.state.global_step,
         trained_tokens=tokens,
-        onnx_max_abs_diff=onnx["parity"]["max_abs_diff"],
+        onnx_max_abs_diff=parity,
+        failed_artifacts=failed,
     )
 
 

@@ -165,7 +165,7 @@ class TrainerProcess:
             return Outcome(JobStatus.running)  # the stores are built: go on to train
         if self.prepare and self.drained and status == JobStatus.running:
             return Outcome(JobStatus.queued)
-        if code == 0 and self.result is not None and {"pytorch", "onnx"} <= self.artifacts:
+        if code == 0 and self.result is not None and self._artifacts_accounted():
             return Outcome(JobStatus.succeeded)  # finished before a pause could stop it
         stopped_here = code == EXIT_STOPPED or self.stopped_at is not None
         if stopped_here and self.drained and status == JobStatus.running:
@@ -258,6 +258,7 @@ class TrainerProcess:
                 "result": {
                     "metrics": event.get("metrics"),
                     "onnx_max_abs_diff": event.get("onnx_max_abs_diff"),
+                    "failed_artifacts": event.get("failed_artifacts") or {},
                 },
                 "trained_tokens": event.get("trained_tokens"),
             }
@@ -275,6 +276,11 @@ class TrainerProcess:
             self.relay.message(f"Training failed: {self.error['message']}", level="error")
         else:
             self.relay.add(event)
+
+    def _artifacts_accounted(self) -> bool:
+        """The PyTorch model is stored, and the ONNX one is stored or its export failed with a reason."""
+        failed = set((self.result or {}).get("failed_artifacts") or {})
+        return "pytorch" in self.artifacts and "onnx" in self.artifacts | failed
 
     def _store_dir(self, path: Path, name: str, key: str) -> tuple[int, str]:
         archive = self.workdir / f"{name}.tar"

@@ -199,5 +199,10 @@ def download_artifact(
     jobs.require(session, caller, job_id)
     artifact = ArtifactRepository(session).get(job_id, fmt)
     if artifact is None:
-        raise NotFound(f"job {job_id} has no {fmt} artifact (yet)", param="format", code="artifact_not_found")
+        job = jobs.get(session, caller, job_id)  # the 404 says why, when an export failed
+        reason = ((job.result or {}).get("failed_artifacts") or {}).get(fmt)
+        said = f"its {fmt} export failed: {reason}" if reason else "(yet)"
+        raise NotFound(
+            f"job {job_id} has no {fmt} artifact {said}", param="format", code="artifact_not_found"
+        )
     return artifacts.stream(store, artifact, request.headers.get("range"))

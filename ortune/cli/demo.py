@@ -112,7 +112,7 @@ def run_demo(console: Console, *, keep: bool = False) -> int:
         final = client.job(job["id"])
         console.print(
             f"backend used: {final['backend_used']} ({final['backend_reason'] or 'as requested'}); "
-            f"ONNX parity max |Δlogit| {final['result']['onnx_max_abs_diff']:.2e}"
+            f"ONNX parity max |Δlogit| {final['result']['onnx_max_abs_diff'] or float('nan'):.2e}"
         )
         console.print(f"precision: {final['precision_used']} ({final['precision_reason']})")
         if min(results.values()) <= before:

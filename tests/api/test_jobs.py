@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
 from api.services.artifacts import readahead
+from ortune import lifecycle
 from ortune.db.models import Artifact
 from ortune.db.repositories import ArtifactRepository, EventRepository, JobRepository, MetricRepository
 from ortune.db.session import session_scope
@@ -397,3 +398,31 @@ def test_an_app_stopped_and_started_again_still_reads(settings: Settings) -> Non
             assert again.json()["status"] == job["status"]
             events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events")
             assert events.status_code == 200, events.text
+
+
+def test_a_job_whose_onnx_export_failed_succeeds_with_its_pytorch_model(
+    client: TestClient, settings: Settings, train_file: dict[str, Any]
+) -> None:
+    """The worker stored the PyTorch model and the trainer reported the ONNX export's failure: the job
+    succeeds, its completion says what is missing, and the ONNX download's 404 says why."""
+    job = create(client, model="tiny-bert", training_file=train_file["id"]).json()
+    reason = "ONNX export failed: UnsupportedOperatorError: aten::foo"
+    with session_scope(settings.database_url) as session:
+        jobs = JobRepository(session)
+        jobs.update(job["id"], status="running", result={"failed_artifacts": {"onnx": reason}})
+        ArtifactRepository(session).put(
+            Artifact(
+                job_id=job["id"], format="pytorch", object_key="k", bytes=1, sha256="0" * 64, manifest={}
+            )
+        )
+        stored = jobs.get(job["id"])
+        assert stored is not None and lifecycle.succeed(session, stored, stored.attempt)
+    done = client.get(f"/v1/fine_tuning/jobs/{job['id']}").json()
+    assert done["status"] == "succeeded" and done["result"]["failed_artifacts"] == {"onnx": reason}
+    said = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events").json()["data"][0]["message"]
+    assert said.endswith("(without its onnx model, whose export failed: see above)")
+    missing = client.get(f"/v1/fine_tuning/jobs/{job['id']}/artifacts/onnx")
+    assert (
+        missing.status_code == 404
+        and f"its onnx export failed: {reason}" in missing.json()["error"]["message"]
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import io
 import json
 import subprocess
 import sys
@@ -137,6 +138,45 @@ def test_launch_by_hand_emits_json_lines(tmp_path: Path) -> None:
     assert {"metrics", "artifact", "progress"} <= set(kinds)
     assert (tmp_path / "out" / "pytorch" / "model.safetensors").is_file()
     assert (tmp_path / "out" / "onnx" / "model.onnx").is_file()
+
+
+def test_a_failed_onnx_export_costs_that_artifact_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The export fails (as a model torch.onnx cannot trace, or a parity check, would): training succeeded,
+    so the PyTorch model is reported and the result says which format failed and why, instead of an error
+    that failed a finished job."""
+    from trainer_core import export, launch
+    from trainer_core.events import EventStream
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise export.ExportError("ONNX logits differ from PyTorch by 0.5 (tolerance 0.001)")
+
+    monkeypatch.setattr(export, "export_onnx", refuse)
+    train = write_jsonl(
+        tmp_path / "t.jsonl",
+        [json.loads(x) for x in (DEMO / "sentiment_train.jsonl").read_text().splitlines()[:32]],
+    )
+    spec = launch.with_stores(
+        TrainingSpec(
+            job_id="ftjob-export",
+            task="sequence-classification",
+            model="tiny-bert",
+            train_file=str(train),
+            labels=["negative", "positive"],
+            output_dir=str(tmp_path / "out"),
+            hyperparameters=Hyperparameters(max_steps=2, batch_size=8, max_seq_length=32).resolved(32),
+            backend="torch",
+        )
+    )
+    out = io.StringIO()
+    launch.run(spec, EventStream(out))
+    events = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [e["format"] for e in events if e["type"] == "artifact"] == ["pytorch"]
+    result = events[-1]
+    assert result["type"] == "result" and result["onnx_max_abs_diff"] is None
+    assert result["failed_artifacts"] == {"onnx": "ONNX logits differ from PyTorch by 0.5 (tolerance 0.001)"}
+    assert any(e["type"] == "message" and "keeps its PyTorch model" in e["message"] for e in events)
 
 
 def test_launch_reports_a_spec_that_cannot_run(tmp_path: Path) -> None:
