@@ -188,7 +188,10 @@ class FineTuningJob(BaseModel):
     def of(cls, job: Job | SimpleNamespace) -> FineTuningJob:
         spec = job.spec
         hp = spec.hyperparameters.model_dump(mode="json")
-        openai_hp = {k: hp[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier")}
+        # OpenAI's three, and the sequence length the job is cut at (an extra field: it decides what trains)
+        openai_hp = {
+            k: hp.get(k) for k in ("n_epochs", "batch_size", "learning_rate_multiplier", "max_seq_length")
+        }
         return cls(
             id=job.id,
             created_at=ts(job.created_at) or 0,

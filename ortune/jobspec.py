@@ -51,10 +51,11 @@ class JobSpec(BaseModel):
     def build(cls, hp: Hyperparameters, n_rows: int, *, world_size: int = 1, **fields: Any) -> JobSpec:
         """A spec with `hp` resolved for a file of `n_rows` rows. An "auto" batch of a multi-process job is
         rounded up to a multiple of `world_size`, so that it splits over its processes."""
-        resolved = hp.resolved(n_rows)
+        resolved = hp.resolved(n_rows, fields.get("task", "sequence-classification"))
         shown = hp.model_dump(mode="json") | {
             "n_epochs": resolved.n_epochs,
             "batch_size": resolved.batch_size,
+            "max_seq_length": resolved.max_seq_length,
             "learning_rate_multiplier": hp.learning_rate_multiplier,
         }
         if hp.batch_size == "auto" and world_size > 1:

@@ -1,4 +1,4 @@
-"""How rows become batches: the generative rows' rendering, the length-bucketed sampler and the collator."""
+"""How rows become batches: the length-bucketed sampler and the collator (chat rows: trainer_core.chat)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,6 @@ import numpy as np
 import torch
 
 from trainer_core.datastore import IGNORE
-
-
-def render(row: dict[str, Any]) -> tuple[str, str]:
-    """(prompt, target) of a generative row; the loss is taken on the target only."""
-    if "messages" in row:
-        turns = row["messages"]
-        head = "".join(f"{m['role']}: {m['content']}\n" for m in turns[:-1])
-        last = turns[-1]
-        if last["role"] == "assistant":
-            return head + "assistant: ", last["content"]
-        return "", head + f"{last['role']}: {last['content']}\n"
-    if "prompt" in row:
-        return row["prompt"], row["completion"]
-    return "", row["text"]
 
 
 class BucketSampler(torch.utils.data.Sampler[int]):

@@ -5,8 +5,10 @@ A store is a directory:
 
 - `ids.u32`: every row's token ids, one after the other (uint32);
 - `offsets.i64`: where row i starts in `ids.u32` (n + 1 entries);
-- `targets.i64`: per row, the class index (sequence classification) or the number of leading prompt tokens
-  that carry no loss (causal LM);
+- `targets.i64`: per row, the class index (sequence classification) or the number of its tokens that carry
+  the loss (causal LM);
+- `loss.u8` (causal LM): per token, 1 where it carries the loss (a chat row's assistant turns, a prompt's
+  completion), aligned with `ids.u32`;
 - `meta.json`: the key, row and token counts, the longest row, a few sample texts for the export's parity
   check; `tokenizer/` when the tokenizer was trained on this very file (the tiny built models).
 
@@ -24,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-VERSION = 1
+VERSION = 2  # 2: causal-LM stores carry a per-token loss mask (every assistant turn)
 IGNORE = -100
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -76,6 +78,7 @@ class Meta:
     longest: int
     samples: list[str]
     has_tokenizer: bool
+    dropped: int = 0  # rows left out: max_seq_length cut every token that carried their loss
 
     @classmethod
     def read(cls, store: Path) -> Meta:
@@ -98,6 +101,10 @@ class TokenStore:
             else np.zeros(0, np.uint32)
         )
         self.lengths = np.diff(self.offsets)
+        loss = path / "loss.u8"
+        self.loss = (
+            np.memmap(loss, dtype=np.uint8, mode="r", shape=(size,)) if size and loss.is_file() else None
+        )
 
     def __len__(self) -> int:
         return self.meta.rows
@@ -107,8 +114,9 @@ class TokenStore:
         target = int(self.targets[i])
         if self.meta.task == "sequence-classification":
             return {"input_ids": ids, "labels": target}
-        labels = [IGNORE] * min(target, len(ids)) + ids[target:]
-        return {"input_ids": ids, "labels": labels}
+        assert self.loss is not None, f"{self.path} has no loss mask"
+        carries = self.loss[self.offsets[i] : self.offsets[i + 1]]
+        return {"input_ids": ids, "labels": [t if c else IGNORE for t, c in zip(ids, carries, strict=True)]}
 
     @property
     def tokenizer_dir(self) -> Path | None:
@@ -124,11 +132,22 @@ class StoreWriter:
         self._ids = (path / "ids.u32").open("wb")
         self._offsets = (path / "offsets.i64").open("wb")
         self._targets = (path / "targets.i64").open("wb")
+        self._loss = (path / "loss.u8").open("wb") if task != "sequence-classification" else None
         self._offsets.write(np.zeros(1, np.int64).tobytes())
-        self.rows = self.tokens = self.longest = 0
+        self.rows = self.tokens = self.longest = self.dropped = 0
         self.samples: list[str] = []
 
-    def add(self, batch_ids: list[list[int]], targets: list[int], texts: list[str]) -> None:
+    def add(
+        self,
+        batch_ids: list[list[int]],
+        targets: list[int],
+        texts: list[str],
+        loss: list[list[int]] | None = None,
+    ) -> None:
+        if self._loss is not None:
+            assert loss is not None and len(loss) == len(batch_ids)
+            flat_loss = np.fromiter((c for row in loss for c in row), dtype=np.uint8)
+            self._loss.write(flat_loss.tobytes())
         lengths = np.fromiter((len(x) for x in batch_ids), dtype=np.int64, count=len(batch_ids))
         flat = np.fromiter((t for ids in batch_ids for t in ids), dtype=np.uint32, count=int(lengths.sum()))
         self._ids.write(flat.tobytes())
@@ -140,9 +159,19 @@ class StoreWriter:
         self.samples += texts[: 8 - len(self.samples)]
 
     def close(self, *, has_tokenizer: bool = False) -> Meta:
-        for fh in (self._ids, self._offsets, self._targets):
-            fh.close()
-        meta = Meta(self.key, self.task, self.rows, self.tokens, self.longest, self.samples, has_tokenizer)
+        for fh in (self._ids, self._offsets, self._targets, self._loss):
+            if fh is not None:
+                fh.close()
+        meta = Meta(
+            self.key,
+            self.task,
+            self.rows,
+            self.tokens,
+            self.longest,
+            self.samples,
+            has_tokenizer,
+            self.dropped,
+        )
         (self.path / "meta.json").write_text(json.dumps(meta.__dict__))  # written last: a store is whole
         return meta
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trainer_core import datastore, rows
+from trainer_core import chat, datastore, rows
 from trainer_core.contract import EXIT_FAILED, EXIT_OK
 from trainer_core.datastore import StoreWriter, TokenStore
 from trainer_core.events import EventStream
@@ -30,10 +30,13 @@ TOKENIZER_ROWS = 100_000  # a built model's tokenizer learns its vocabulary from
 PROGRESS_EVERY_S = 1.0
 
 
-def _render(row: dict[str, Any]) -> tuple[str, str]:
-    from trainer_core.data import render
-
-    return render(row)
+def _text(row: dict[str, Any]) -> str:
+    """A row as one text: what a built model's tokenizer learns from, and the export's parity samples."""
+    if "messages" in row:
+        return chat.plain(row["messages"])
+    if "prompt" in row:
+        return str(row["prompt"]) + str(row["completion"])
+    return str(row["text"])
 
 
 def _texts(path: Path, fmt: str, limit: int) -> Iterator[str]:
@@ -42,7 +45,7 @@ def _texts(path: Path, fmt: str, limit: int) -> Iterator[str]:
             if n >= limit:
                 return
             assert not isinstance(row, rows.RowError), row
-            yield row["text"] if "label" in row else "".join(_render(row))
+            yield _text(row)
 
 
 def _tokenizer(spec: TrainingSpec, store: Path) -> Any:
@@ -59,21 +62,35 @@ def _tokenizer(spec: TrainingSpec, store: Path) -> Any:
     return tokenizer
 
 
+def seq_limit(spec: TrainingSpec, tokenizer: Any) -> int:
+    """max_seq_length, bounded by what the model reads (its tokenizer's model_max_length; transformers puts a
+    huge number there when a tokenizer does not say)."""
+    model_max = getattr(tokenizer, "model_max_length", None) or 0
+    bound = model_max if 0 < model_max < 1_000_000 else spec.hyperparameters.max_seq_length
+    return min(spec.hyperparameters.max_seq_length, bound)
+
+
 def _encode(
     batch: list[dict[str, Any]], tokenizer: Any, spec: TrainingSpec
-) -> tuple[list[list[int]], list[int]]:
-    """Token ids and targets (class index, or prompt length) of a batch of rows."""
-    max_len = spec.hyperparameters.max_seq_length
+) -> tuple[list[list[int]], list[int], list[list[int]] | None]:
+    """Token ids, targets and loss masks of a batch of rows: for classification the class index (no mask);
+    for a causal LM each row's per-token loss mask and its count of loss tokens (0: all cut by truncation)."""
+    max_len = seq_limit(spec, tokenizer)
     if spec.task == "sequence-classification":
         index = {str(label): i for i, label in enumerate(spec.labels)}
         ids = tokenizer([r["text"] for r in batch], truncation=True, max_length=max_len)["input_ids"]
-        return ids, [index[str(r["label"])] for r in batch]
-    pairs = [_render(r) for r in batch]
-    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
-    targets = tokenizer([t for _, t in pairs], add_special_tokens=False)["input_ids"]
+        return ids, [index[str(r["label"])] for r in batch], None
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    ids = [(p + t + eos)[:max_len] for p, t in zip(prompts, targets, strict=True)]
-    return ids, [len(p) for p in prompts]
+    encoded: list[tuple[list[int], list[int]]] = []
+    for row in batch:
+        if "messages" in row:  # the model's own chat template; the loss on every assistant turn
+            encoded.append(chat.encode(tokenizer, row["messages"], max_len))
+            continue
+        prompt, target = ("", row["text"]) if "text" in row else (row["prompt"], row["completion"])
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+        t = tokenizer(target, add_special_tokens=False)["input_ids"] + eos
+        encoded.append(((p + t)[:max_len], ([0] * len(p) + [1] * len(t))[:max_len]))
+    return [i for i, _ in encoded], [sum(m) for _, m in encoded], [m for _, m in encoded]
 
 
 def _build(
@@ -95,9 +112,17 @@ def _build(
     with path.open(encoding="utf-8", newline="") as fh:
         stream = (row for _, row in rows.iter_rows(fh, fmt) if not isinstance(row, rows.RowError))
         for batch in datastore.batched(stream, BATCH):
-            ids, targets = _encode(batch, tokenizer, spec)
-            texts = [r["text"] if "label" in r else "".join(_render(r)) for r in batch[:8]]
-            writer.add(ids, targets, texts)
+            ids, targets, loss = _encode(batch, tokenizer, spec)
+            texts = [_text(r) for r in batch[:8]]
+            if loss is not None:  # a row whose every loss token was cut would train on nothing (a 0/0 loss)
+                keep = [n for n, count in enumerate(targets) if count]
+                writer.dropped += len(targets) - len(keep)
+                ids, targets, loss = (
+                    [ids[n] for n in keep],
+                    [targets[n] for n in keep],
+                    [loss[n] for n in keep],
+                )
+            writer.add(ids, targets, texts, loss)
             if (now := time.monotonic()) - last >= PROGRESS_EVERY_S:
                 last = now
                 _progress(events, what, writer.rows, total, writer.rows / (now - t0))
@@ -113,6 +138,15 @@ def _build(
         cpu_seconds=round(time.process_time() - cpu0, 3),  # over `seconds`: how many cores it kept busy
         store=key,
     )
+    if meta.dropped:
+        limit = seq_limit(spec, tokenizer)
+        cut = (
+            f"{meta.dropped:,} {what} rows were left out: max_seq_length {limit} cut every token that "
+            "carried their loss (their assistant turns, or completion)"
+        )
+        if not meta.rows:
+            raise ValueError(f"{cut}, which was all of them; raise max_seq_length")
+        events.message(f"{cut}; raise max_seq_length to train on them", level="warn", dropped=meta.dropped)
 
 
 def _progress(events: EventStream, what: str, done: int, total: int | None, rate: float) -> None:

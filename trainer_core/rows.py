@@ -73,6 +73,13 @@ def _check_values(kind: str, row: dict[str, Any]) -> None:
                 raise RowError(f"messages[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}")
             if not isinstance(msg.get("content"), str):
                 raise RowError(f"messages[{i}].content must be a string")
+            if "weight" in msg:  # OpenAI's: 0 leaves an assistant turn out of the loss
+                if msg["role"] != "assistant":
+                    raise RowError(f"messages[{i}].weight is only for assistant messages")
+                if isinstance(msg["weight"], bool) or msg["weight"] not in (0, 1):
+                    raise RowError(f"messages[{i}].weight must be 0 or 1")
+        if not any(m["role"] == "assistant" and m.get("weight", 1) for m in messages):
+            raise RowError("a chat row needs an assistant message to learn from (one without weight 0)")
         return
     for name in KINDS[kind]:
         value = row[name]

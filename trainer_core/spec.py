@@ -31,13 +31,15 @@ class Hyperparameters(Strict):
     learning_rate_multiplier: Annotated[float, Field(gt=0, le=100)] | Auto = "auto"
     learning_rate: Annotated[float, Field(gt=0, lt=1)] | None = None
     max_steps: Annotated[int, Field(ge=1)] | None = None
-    max_seq_length: Annotated[int, Field(ge=8, le=8192)] = 128
+    # None: 128 tokens for a classifier, 2,048 for a causal LM (chat rows are long); a model whose tokenizer
+    # says it reads fewer cuts there.
+    max_seq_length: Annotated[int, Field(ge=8, le=8192)] | None = None
     warmup_ratio: Annotated[float, Field(ge=0, lt=1)] = 0.0
     weight_decay: Annotated[float, Field(ge=0, lt=1)] = 0.0
     eval_every_steps: Annotated[int, Field(ge=1)] | None = None
     gradient_accumulation_steps: Annotated[int, Field(ge=1, le=1024)] = 1
 
-    def resolved(self, n_rows: int) -> ResolvedHyperparameters:
+    def resolved(self, n_rows: int, task: str = "sequence-classification") -> ResolvedHyperparameters:
         batch = self.batch_size if self.batch_size != "auto" else max(1, min(16, n_rows // 8 or 1))
         epochs = self.n_epochs if self.n_epochs != "auto" else 3
         base_lr = 5e-5 if self.learning_rate is None else self.learning_rate
@@ -47,7 +49,7 @@ class Hyperparameters(Strict):
             batch_size=batch,
             learning_rate=base_lr * mult,
             max_steps=self.max_steps,
-            max_seq_length=self.max_seq_length,
+            max_seq_length=self.max_seq_length or (2048 if task == "causal-lm" else 128),
             warmup_ratio=self.warmup_ratio,
             weight_decay=self.weight_decay,
             eval_every_steps=self.eval_every_steps,

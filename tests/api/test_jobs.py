@@ -48,7 +48,12 @@ def test_create_and_retrieve(client: TestClient, train_file: dict[str, Any]) -> 
     job = response.json()
     assert job["object"] == "fine_tuning.job" and job["id"].startswith("ftjob-")
     assert job["status"] == "queued" and job["task"] == "sequence-classification"
-    assert job["hyperparameters"] == {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": "auto"}
+    assert job["hyperparameters"] == {
+        "n_epochs": 2,
+        "batch_size": 4,
+        "learning_rate_multiplier": "auto",
+        "max_seq_length": 128,  # the classifier's default
+    }
     assert (job["seed"], job["suffix"], job["metadata"], job["backend"]) == (
         3,
         "mine",
@@ -68,6 +73,24 @@ def test_openai_method_shape(client: TestClient, train_file: dict[str, Any]) -> 
         method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 4}}},
     ).json()
     assert job["hyperparameters"]["n_epochs"] == 4
+
+
+def test_the_default_sequence_length_fits_the_task(client: TestClient, tmp_path: Path) -> None:
+    """A chat job is cut at 2,048 tokens unless it says otherwise (128 cut most conversations before their
+    reply); a classifier keeps 128; an explicit value stands."""
+    chat = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(8)
+    ]
+    lm_file = upload(client, write_jsonl(tmp_path / "chat.jsonl", chat)).json()
+    texts = upload(client, DEMO / "sentiment_train.jsonl").json()
+    lm = create(client, model="tiny-gpt2", training_file=lm_file["id"]).json()
+    clf = create(client, model="tiny-bert", training_file=texts["id"]).json()
+    asked = create(
+        client, model="tiny-gpt2", training_file=lm_file["id"], hyperparameters={"max_seq_length": 512}
+    )
+    seq = [j["hyperparameters"]["max_seq_length"] for j in (lm, clf, asked.json())]
+    assert seq == [2048, 128, 512]
 
 
 @pytest.mark.parametrize(

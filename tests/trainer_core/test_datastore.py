@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.support import launch_trainer, rows, write_jsonl
-from trainer_core import datastore, prepare
+from trainer_core import chat, datastore, prepare
 from trainer_core.data import BucketSampler
 from trainer_core.datastore import IGNORE
 from trainer_core.events import EventStream
@@ -55,14 +55,13 @@ def test_the_store_holds_what_direct_tokenization_gives(tmp_path: Path, task: st
             want = tokenizer(row["text"], truncation=True, max_length=32)["input_ids"]
             assert got == {"input_ids": want, "labels": ["negative", "positive"].index(row["label"])}
         else:
-            prompt = tokenizer(
-                "user: " + row["messages"][0]["content"] + "\nassistant: ", add_special_tokens=False
-            )
-            target = tokenizer(row["messages"][1]["content"], add_special_tokens=False)["input_ids"]
-            ids = (prompt["input_ids"] + target + [tokenizer.eos_token_id])[:32]
-            assert got["input_ids"] == ids
-            n = len(prompt["input_ids"])
-            assert got["labels"] == [IGNORE] * n + ids[n:]  # loss on the reply and its end only
+            ids, loss = chat.encode(tokenizer, row["messages"], 32)
+            assert got == {
+                "input_ids": ids,
+                "labels": [t if c else IGNORE for t, c in zip(ids, loss, strict=True)],
+            }
+            reply = tokenizer.decode([t for t in got["labels"] if t != IGNORE])
+            assert reply == row["messages"][1]["content"] + "<|im_end|>\n"  # the reply and its end only
     assert train.meta.tokens == sum(len(train[i]["input_ids"]) for i in range(len(train)))
     assert train.lengths.tolist() == [len(train[i]["input_ids"]) for i in range(len(train))]
 
@@ -159,3 +158,90 @@ def test_checkpoints_come_no_faster_than_the_services_minimum_interval(
     assert len(skipped) == (1 if floor else 0)
     if floor:
         assert "less than 3600 s ago, the minimum interval here" in skipped[0]["message"]
+
+
+LLAMA_TEMPLATE = (  # the shape of Llama 3's: a BOS, headers, an end-of-turn marker
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [None, LLAMA_TEMPLATE])
+def test_every_assistant_turn_carries_the_loss_and_nothing_else_token_by_token(
+    tmp_path: Path, template: str | None
+) -> None:
+    """A multi-turn conversation under the model's own template (or the default ChatML one): the tokens
+    with loss are exactly those of the two assistant turns with weight, each with its end-of-turn marker;
+    the system and user turns, the headers and the `weight: 0` turn carry none."""
+    conversation = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "say hello"},
+        {"role": "assistant", "content": "hello hello"},
+        {"role": "user", "content": "say no"},
+        {"role": "assistant", "content": "no thanks", "weight": 0},
+        {"role": "user", "content": "say yes"},
+        {"role": "assistant", "content": "yes please"},
+    ]
+    spec = spec_for(tmp_path, "causal-lm", [*CHAT, {"messages": conversation}])
+    with (tmp_path / "events").open("w") as out:
+        train, _ = prepare.ensure(spec, EventStream(out))
+    tokenizer = prepare.load_tokenizer(spec, train)
+    tokenizer.bos_token = tokenizer.bos_token or tokenizer.eos_token
+    tokenizer.chat_template = template
+    ids, loss = chat.encode(tokenizer, conversation, 512)
+    end = "<|im_end|>\n" if template is None else "<|eot_id|>"
+    assert tokenizer.decode(ids).startswith(tokenizer.bos_token if template else "<|im_start|>system")
+    runs, run = [], []  # the contiguous stretches of loss tokens
+    for t, c in zip(ids, loss, strict=True):
+        if c:
+            run.append(t)
+        elif run:
+            runs, run = [*runs, run], []
+    runs += [run] if run else []
+    assert [tokenizer.decode(r) for r in runs] == [f"hello hello{end}", f"yes please{end}"]
+    assert sum(loss) == sum(len(r) for r in runs)
+
+
+def test_rows_truncated_to_no_loss_are_left_out_and_said(tmp_path: Path) -> None:
+    """max_seq_length 48 cuts the long rows before their reply begins: they would train on nothing (a 0/0
+    loss, NaN), so they are left out and counted; a file of nothing else is refused with the reason."""
+    long = [{"messages": [{"role": "user", "content": "word " * 60}, {"role": "assistant", "content": "ok"}]}]
+    items = CHAT[:6] + long * 3
+    spec = spec_for(tmp_path, "causal-lm", items)
+    spec = spec.model_copy(
+        update={"hyperparameters": spec.hyperparameters.model_copy(update={"max_seq_length": 48})}
+    )
+    with (tmp_path / "events").open("w") as out:
+        train, _ = prepare.ensure(spec, EventStream(out))
+    said = [json.loads(line) for line in (tmp_path / "events").read_text().splitlines()]
+    assert train.meta.rows == 6 and train.meta.dropped == 3
+    assert all(any(c != IGNORE for c in train[i]["labels"]) for i in range(len(train)))
+    warn = next(e for e in said if "were left out" in e.get("message", ""))
+    assert (
+        "3 training rows were left out: max_seq_length 48 cut every token that carried their loss"
+        in warn["message"]
+    )
+
+    (tmp_path / "b").mkdir()
+    only_long = spec_for(tmp_path / "b", "causal-lm", long * 4)
+    only_long = only_long.model_copy(
+        update={"hyperparameters": only_long.hyperparameters.model_copy(update={"max_seq_length": 48})}
+    )
+    with (tmp_path / "events2").open("w") as out, pytest.raises(ValueError, match="which was all of them"):
+        prepare.ensure(only_long, EventStream(out))
+
+
+def test_the_sequence_limit_is_bounded_by_what_the_model_reads(tmp_path: Path) -> None:
+    spec = spec_for(tmp_path, "causal-lm", CHAT)
+    spec = spec.model_copy(
+        update={"hyperparameters": spec.hyperparameters.model_copy(update={"max_seq_length": 2048})}
+    )
+
+    class Tokenizer:
+        def __init__(self, most: int) -> None:
+            self.model_max_length = most
+
+    assert prepare.seq_limit(spec, Tokenizer(512)) == 512  # a BERT-sized model
+    assert prepare.seq_limit(spec, Tokenizer(int(1e30))) == 2048  # transformers' "not said"
+    assert prepare.seq_limit(spec, Tokenizer(8192)) == 2048

@@ -92,6 +92,20 @@ def test_auto_hyperparameters_resolve() -> None:
         ('{"prompt": "p"}\n', "line 1: missing required field 'completion'"),
         ('{"text": "a", "extra": 1}\n{"text": "b"}\n', "unexpected field(s) extra"),
         ('{"messages": []}\n', "'messages' must be a non-empty list"),
+        (
+            '{"messages": [{"role": "user", "content": "a", "weight": 0}]}\n',
+            "line 1: messages[0].weight is only for assistant messages",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, '
+            '{"role": "assistant", "content": "b", "weight": 2}]}\n',
+            "line 1: messages[1].weight must be 0 or 1",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, '
+            '{"role": "assistant", "content": "b", "weight": 0}]}\n',
+            "line 1: a chat row needs an assistant message to learn from (one without weight 0)",
+        ),
     ],
 )
 def test_row_errors(tmp_path: Path, text: str, fragment: str) -> None:
