@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ortune.db.models import Artifact, Checkpoint, File, Job, JobEvent
 from ortune.search_space import HyperparameterSearch
-from trainer_core.spec import Backend, Distributed, Hyperparameters, Optim, Precision, Task
+from trainer_core.spec import Backend, Distributed, Hyperparameters, Lora, Optim, Precision, Task
 
 T = TypeVar("T")
 
@@ -88,6 +88,9 @@ class ModelDeleted(BaseModel):
 class SupervisedMethod(BaseModel):
     model_config = ConfigDict(extra="forbid")
     hyperparameters: Hyperparameters | None = None
+    lora: Lora | None = Field(
+        default=None, description="Train a LoRA adapter (PEFT) instead of every weight."
+    )
 
 
 class Method(BaseModel):
@@ -126,6 +129,9 @@ class JobCreate(BaseModel):
             raise ValueError("at most 16 keys of at most 64 characters")
         return value
 
+    def lora(self) -> Lora | None:
+        return self.method.supervised.lora if self.method and self.method.supervised else None
+
     def effective_hyperparameters(self) -> Hyperparameters:
         if self.method and self.method.supervised and self.method.supervised.hyperparameters:
             return self.method.supervised.hyperparameters
@@ -141,6 +147,11 @@ class JobError(BaseModel):
 class Progress(BaseModel):
     step: int
     total_steps: int | None
+
+
+def _lora(spec: Any) -> dict[str, Any]:
+    lora = getattr(spec, "lora", None)
+    return {"lora": lora.model_dump(mode="json")} if lora is not None else {}
 
 
 class FineTuningJob(BaseModel):
@@ -207,7 +218,7 @@ class FineTuningJob(BaseModel):
             seed=job.seed,
             suffix=job.suffix,
             metadata=job.user_metadata,
-            method={"type": "supervised", "supervised": {"hyperparameters": hp}},
+            method={"type": "supervised", "supervised": {"hyperparameters": hp} | _lora(spec)},
             task=job.task,
             backend=job.backend_requested,
             backend_used=job.backend_used,

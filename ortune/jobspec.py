@@ -15,6 +15,7 @@ from trainer_core.spec import (
     Backend,
     Distributed,
     Hyperparameters,
+    Lora,
     Optim,
     Precision,
     ResolvedHyperparameters,
@@ -33,6 +34,7 @@ class JobSpec(BaseModel):
     precision: Precision = "auto"
     checkpoint_every_steps: int | None = None
     keep_checkpoints: int = 3  # the last N checkpoints are kept in storage, and the best one
+    lora: Lora | None = None  # an adapter instead of full fine-tuning
     distributed: Distributed = Distributed()
     # As the user asked, with OpenAI's "auto" values shown resolved (the job's `hyperparameters` field)...
     hyperparameters: Hyperparameters
@@ -94,6 +96,7 @@ class JobSpec(BaseModel):
             "precision": self.precision,
             "checkpoint_every_steps": self.checkpoint_every_steps,
             "distributed": self.distributed,
+            "lora": self.lora,
         }
 
     @property

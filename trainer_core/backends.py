@@ -39,6 +39,8 @@ def ort_problem(spec: TrainingSpec, *, cuda: bool) -> str | None:
     """None when ORTModule can train this spec here, otherwise why not."""
     if (unfit := _precision_problem(spec, cuda=cuda)) is not None:
         return unfit
+    if spec.lora is not None:
+        return "a LoRA adapter trains under PyTorch: ORTModule over a PEFT model is not wired into ortune yet"
     from trainer_core import ort_setup
 
     if (broken := ort_setup.reason_if_broken()) is not None:

@@ -65,7 +65,7 @@ class CheckpointEvent(Event):
 
 
 class ArtifactEvent(Event):
-    format: Literal["pytorch", "onnx"]
+    format: Literal["pytorch", "onnx", "adapter"]
     path: str
     manifest: dict[str, Any]
 

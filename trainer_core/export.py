@@ -60,6 +60,25 @@ def save_pytorch(model: Any, tokenizer: Any, directory: Path, manifest: dict[str
     return manifest
 
 
+def save_adapter(model: Any, tokenizer: Any, directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """A LoRA job's adapter as PEFT saves it (adapter_config.json, adapter_model.safetensors), to load on
+    its base with `PeftModel.from_pretrained`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    manifest = {
+        **manifest,
+        "format": "adapter",
+        "trainable_parameters": trainable,
+        "total_parameters": total,
+        "files": sorted(p.name for p in directory.iterdir()),
+    }
+    write_manifest(directory, manifest)
+    return manifest
+
+
 def _inputs(
     tokenizer: Any, texts: Sequence[str], names: Sequence[str], max_len: int
 ) -> dict[str, torch.Tensor]:

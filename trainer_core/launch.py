@@ -138,6 +138,11 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
         "steps": hf_trainer.state.global_step,
         "metrics": final,
     }
+    if spec.lora is not None:  # the adapter as trained, then the model with it merged in for the rest
+        manifest["lora"] = spec.lora.model_dump()
+        adapter = export.save_adapter(model, loaded.tokenizer, out / "adapter", manifest)
+        events.emit("artifact", format="adapter", path=str(out / "adapter"), manifest=adapter)
+        model = model.merge_and_unload()
     pt = export.save_pytorch(model, loaded.tokenizer, out / "pytorch", manifest)
     events.emit("artifact", format="pytorch", path=str(out / "pytorch"), manifest=pt)
     samples = (valid_set or train_set).meta.samples

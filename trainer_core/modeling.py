@@ -170,6 +170,24 @@ def load(
     # No KV cache while training: it is useless there, and ORTModule cannot flatten a DynamicCache output.
     if hasattr(loaded.model.config, "use_cache"):
         loaded.model.config.use_cache = False
+    if spec.lora is not None:
+        loaded = Loaded(with_lora(loaded.model, spec), loaded.tokenizer)
     # from_pretrained returns eval mode; training (and ORTModule's training graph) needs train mode.
     loaded.model.train()
     return loaded
+
+
+def with_lora(model: Any, spec: TrainingSpec) -> Any:
+    """The model with a LoRA adapter (PEFT): the base frozen, the adapter (and a classifier's new head,
+    which PEFT keeps trainable for SEQ_CLS) trained."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    assert spec.lora is not None
+    config = LoraConfig(
+        r=spec.lora.r,
+        lora_alpha=spec.lora.alpha,
+        lora_dropout=spec.lora.dropout,
+        target_modules=spec.lora.target_modules,
+        task_type=TaskType.SEQ_CLS if spec.task == "sequence-classification" else TaskType.CAUSAL_LM,
+    )
+    return get_peft_model(model, config)

@@ -57,6 +57,18 @@ class Hyperparameters(Strict):
         )
 
 
+class Lora(Strict):
+    """A LoRA adapter (PEFT) instead of full fine-tuning: the base frozen, low-rank updates trained."""
+
+    r: Annotated[int, Field(ge=1, le=256)] = 8
+    alpha: Annotated[int, Field(ge=1, le=1024)] = 16
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.05
+    # module names, or "all-linear": every linear layer but the output head
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=128)]] | Literal["all-linear"] = (
+        "all-linear"
+    )
+
+
 class ResolvedHyperparameters(Strict):
     n_epochs: int
     batch_size: int
@@ -107,6 +119,7 @@ class TrainingSpec(Strict):
     # even a job too short to pay for it: the tests do).
     auto_budget_fraction: Annotated[float, Field(gt=0)] = 0.03
     seed: int = 42
+    lora: Lora | None = None
     checkpoint_every_steps: Annotated[int, Field(ge=1)] | None = None
     min_checkpoint_seconds: Annotated[float, Field(ge=0)] = 0.0  # the service's floor (callbacks.py)
     resume_from: str | None = None

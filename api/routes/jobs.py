@@ -189,7 +189,7 @@ async def list_artifacts(job_id: str, read: ReadDep, caller: CallerDep) -> list[
 )
 def download_artifact(
     job_id: str,
-    fmt: Literal["pytorch", "onnx"],
+    fmt: Literal["pytorch", "onnx", "adapter"],
     request: Request,
     session: SessionDep,
     store: StoreDep,

@@ -94,6 +94,12 @@ def create(
             param="hyperparameters.max_steps",
             code="limit_exceeded",
         )
+    if req.lora() is not None and req.backend == "ort":
+        raise APIError(
+            "backend ort does not train LoRA adapters yet (ORTModule over a PEFT model is not wired in); "
+            "use backend auto or torch",
+            param="backend",
+        )
     dist = req.distributed or Distributed()
     searching = req.hyperparameter_search is not None
     if dist.world_size > 1:
@@ -113,6 +119,7 @@ def create(
         keep_checkpoints=req.keep_checkpoints,
         distributed=dist,
         hyperparameter_search=req.hyperparameter_search,
+        lora=req.lora(),
     )
     _check_length(spec, train.row_count or 0, settings.max_steps)
     tenant = _check_quota(session, settings, caller)

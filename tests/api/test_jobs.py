@@ -449,3 +449,22 @@ def test_a_job_whose_onnx_export_failed_succeeds_with_its_pytorch_model(
         missing.status_code == 404
         and f"its onnx export failed: {reason}" in missing.json()["error"]["message"]
     )
+
+
+def test_a_lora_job_is_recorded_and_ort_is_refused_for_it(client: TestClient, tmp_path: Path) -> None:
+    chat = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(8)
+    ]
+    file = upload(client, write_jsonl(tmp_path / "chat.jsonl", chat)).json()
+    lora = {"type": "supervised", "supervised": {"lora": {"r": 4, "target_modules": ["c_attn"]}}}
+    job = create(client, model="tiny-gpt2", training_file=file["id"], method=lora)
+    assert job.status_code == 200, job.text
+    shown = job.json()["method"]["supervised"]["lora"]
+    assert shown == {"r": 4, "alpha": 16, "dropout": 0.05, "target_modules": ["c_attn"]}
+    ort = create(client, model="tiny-gpt2", training_file=file["id"], method=lora, backend="ort")
+    assert ort.status_code == 400 and ort.json()["error"]["param"] == "backend"
+    bad = create(
+        client, model="tiny-gpt2", training_file=file["id"], method={"supervised": {"lora": {"r": 0}}}
+    )
+    assert bad.status_code == 422 and bad.json()["error"]["param"] == "method.supervised.lora.r"

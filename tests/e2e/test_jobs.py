@@ -208,3 +208,35 @@ def test_broken_ort_install_fails_backend_ort_with_the_reason(
         assert any(
             e["level"] == "warn" and "simulated broken" in e["message"] for e in events(client, auto["id"])
         )
+
+
+def test_a_lora_chat_job_end_to_end(service: Client, tmp_path: Path) -> None:
+    """method.supervised.lora through the API on chat rows: the job succeeds with an adapter beside the
+    merged model and its ONNX, each downloadable with its sha256; the backend says why PyTorch ran."""
+    rows = [
+        {"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": f"{w} {w}"}]}
+        for w in ("hello", "goodbye", "thanks", "please") * 8
+    ]
+    train = service.upload(write_jsonl(tmp_path / "chat.jsonl", rows))
+    job = service.create_job(
+        model="tiny-gpt2",
+        training_file=train["id"],
+        method={
+            "type": "supervised",
+            "supervised": {
+                "hyperparameters": {"max_steps": 6, "batch_size": 8, "learning_rate": 1e-3},
+                "lora": {"r": 4, "alpha": 8, "target_modules": ["c_attn"]},
+            },
+        },
+    )
+    done = wait_for(service, job["id"], TERMINAL)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["backend_used"] == "torch"
+    artifacts = {a["format"]: a for a in service.get(f"/v1/fine_tuning/jobs/{job['id']}/artifacts")}
+    assert set(artifacts) == {"adapter", "pytorch", "onnx"}
+    assert artifacts["adapter"]["manifest"]["lora"]["r"] == 4
+    digest = service.download(job["id"], "adapter", tmp_path / "adapter.tar")
+    assert digest == artifacts["adapter"]["sha256"]
+    with tarfile.open(tmp_path / "adapter.tar") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= names

@@ -383,3 +383,68 @@ def test_ranks_vote_together_and_replicas_that_trained_apart_are_caught(
             assert found == 0.0
         else:
             assert isinstance(found, str) and "rank(s) [1] hold parameters that differ from rank 0's" in found
+
+
+def test_a_lora_job_trains_an_adapter_that_on_its_base_gives_the_merged_models_logits(tmp_path: Path) -> None:
+    """LoRA on a local Llama-shaped base: only the adapter trains (the backend says why not ORT), the loss
+    falls, and three artifacts come out: the adapter, the merged model (`pytorch`) and its ONNX. The
+    adapter loaded on the base with PEFT gives the merged model's logits."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from trainer_core import modeling
+    from trainer_core.spec import Lora
+
+    texts = [
+        f"<|im_start|>user\nsay {w}<|im_end|>\n<|im_start|>assistant\n{w} {w}<|im_end|>\n" for w in "abcdefgh"
+    ]
+    tokenizer = modeling.train_tokenizer("tiny-gpt2", texts * 20)
+    base = tmp_path / "acme" / "tiny-llama"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    LlamaForCausalLM(config).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    chat_rows = [
+        {"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": f"{w} {w}"}]}
+        for w in "abcdefgh" * 4
+    ]
+    spec = TrainingSpec(
+        job_id="ftjob-lora",
+        task="causal-lm",
+        model="acme/tiny-llama",
+        model_path=str(base),
+        train_file=str(write_jsonl(tmp_path / "chat.jsonl", chat_rows)),
+        output_dir=str(tmp_path / "out"),
+        hyperparameters=Hyperparameters(
+            max_steps=12, batch_size=8, learning_rate=5e-3, max_seq_length=64
+        ).resolved(32, "causal-lm"),
+        lora=Lora(r=4, alpha=8, dropout=0.0),
+        precision="fp32",  # in bf16 ORT is out on CPU for that reason first
+    )
+    code, events, stderr = launch_trainer(spec, tmp_path / "spec.json")
+    assert code == 0, stderr
+    backend = next(e for e in events if e["type"] == "backend")
+    assert backend["used"] == "torch" and "LoRA adapter trains under PyTorch" in backend["reason"]
+    formats = {e["format"]: e["manifest"] for e in events if e["type"] == "artifact"}
+    assert list(formats) == ["adapter", "pytorch", "onnx"]
+    assert 0 < formats["adapter"]["trainable_parameters"] < formats["adapter"]["total_parameters"] / 5
+    losses = [e["train_loss"] for e in events if e["type"] == "metrics" and "train_loss" in e]
+    assert losses[-1] < losses[0]
+
+    ids = torch.tensor([tokenizer("<|im_start|>user\nsay c<|im_end|>\n")["input_ids"]])
+    on_base = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base), tmp_path / "out" / "adapter"
+    )
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "pytorch")
+    with torch.no_grad():
+        a, b = on_base.eval()(ids).logits, merged.eval()(ids).logits
+    assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
