@@ -23,6 +23,16 @@ from trainer_core.spec import (
 )
 
 
+class BaseModelRef(BaseModel):
+    """The stored model an `ft:` job continues from: an earlier job's merged PyTorch artifact."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job_id: str
+    object_key: str
+    sha256: str
+
+
 class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -35,6 +45,7 @@ class JobSpec(BaseModel):
     checkpoint_every_steps: int | None = None
     keep_checkpoints: int = 3  # the last N checkpoints are kept in storage, and the best one
     lora: Lora | None = None  # an adapter instead of full fine-tuning
+    base: BaseModelRef | None = None  # continuing from an earlier job's model (`model: ft:...`)
     distributed: Distributed = Distributed()
     # As the user asked, with OpenAI's "auto" values shown resolved (the job's `hyperparameters` field)...
     hyperparameters: Hyperparameters

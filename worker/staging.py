@@ -14,8 +14,9 @@ from ortune.db.repositories import CheckpointRepository, EventRepository, JobRep
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from ortune.storage import ObjectStore, open_store, sha256_file
-from trainer_core import datastore, registry, rows
+from trainer_core import datastore, rows
 from trainer_core.spec import TrainingSpec
+from worker import base_models
 from worker.stores import Store, fetch, stores_of, wait_for
 
 STORE_WAIT_S = 1800.0  # how long a follower node waits for rank 0's node to tokenize
@@ -78,7 +79,8 @@ def stage(
     tokenizes, the others wait for its stores."""
     workdir = workdir or attempt_dir(settings, job)
     data = workdir / "data"
-    stores = [s for s in stores_of(settings, job, train, valid) if s is not None]
+    model = base_models.resolve(settings, store, job)
+    stores = [s for s in stores_of(settings, job, model, train, valid) if s is not None]
     to_build = [s for s in stores if not _found(settings, store, job, s, lead=lead)]
     fmt = rows.file_format(train.object_key) or "jsonl"
     vfmt = (rows.file_format(valid.object_key) or "jsonl") if valid else "jsonl"
@@ -86,7 +88,6 @@ def stage(
         store.get_to_path(train.object_key, data / f"train.{fmt}")  # a built tokenizer learns from it
         if valid is not None:
             store.get_to_path(valid.object_key, data / f"valid.{vfmt}")
-    model = registry.resolve(job.model, settings.models_dir)
     resume_from = resume_point(settings, store, job, workdir, lead=lead)
     spec = TrainingSpec(
         job_id=job.id,

@@ -39,10 +39,11 @@ class Store:
         return f"files/{self.file.id}/tokenized/{self.key}.tar"
 
 
-def stores_of(settings: Settings, job: Job, train: File, valid: File | None) -> tuple[Store, Store | None]:
+def stores_of(
+    settings: Settings, job: Job, model: registry.ModelInfo, train: File, valid: File | None
+) -> tuple[Store, Store | None]:
     """Where the job's stores are (or will be) on this node: keyed by everything that changes the ids."""
     spec = job.spec
-    model = registry.resolve(job.model, settings.models_dir)
     common: dict[str, Any] = {
         "model": job.model,
         "tokenizer": datastore.tokenizer_fingerprint(model.path),

@@ -15,6 +15,7 @@ from ortune import lifecycle
 from ortune.db.base import new_id
 from ortune.db.models import File, FileStatus, Job, JobStatus, Tenant
 from ortune.db.repositories import (
+    ArtifactRepository,
     EventRepository,
     FileRepository,
     JobRepository,
@@ -22,7 +23,7 @@ from ortune.db.repositories import (
     TenantRepository,
     never_fits,
 )
-from ortune.jobspec import JobSpec
+from ortune.jobspec import BaseModelRef, JobSpec
 from ortune.queue import enqueue_for, on_commit
 from ortune.search_space import HyperparameterSearch
 from ortune.settings import Settings
@@ -51,10 +52,14 @@ def _file(session: Session, caller: Caller, file_id: str, param: str, task: str 
 def create(
     session: Session, settings: Settings, caller: Caller, req: JobCreate, job_id: str | None = None
 ) -> Job:
-    try:
-        model = registry.resolve(req.model, settings.models_dir)
-    except registry.UnknownModel as exc:
-        raise NotFound(str(exc), param="model", code="model_not_found") from exc
+    source: Job | None = None
+    if req.model.startswith("ft:"):
+        model, source, base = _fine_tuned_base(session, caller, req.model)
+    else:
+        try:
+            model, base = registry.resolve(req.model, settings.models_dir), None
+        except registry.UnknownModel as exc:
+            raise NotFound(str(exc), param="model", code="model_not_found") from exc
     train = _file(session, caller, req.training_file, "training_file", req.task)
     task = req.task or ("sequence-classification" if train.row_kind == "text_label" else "causal-lm")
     if task not in model.tasks:
@@ -85,6 +90,15 @@ def create(
             raise APIError(
                 f"validation labels not in the training file: {', '.join(sorted(unseen))}",
                 param="validation_file",
+                code="invalid_file",
+            )
+    if source is not None and task == "sequence-classification":
+        theirs = [str(x) for x in source.spec.labels]
+        if [str(x) for x in labels] != theirs:
+            raise APIError(
+                f"the training file's labels ({', '.join(map(str, labels))}) are not those {req.model} was "
+                f"trained on ({', '.join(theirs)}): a classifier goes on with its own labels",
+                param="training_file",
                 code="invalid_file",
             )
     hp = req.effective_hyperparameters()
@@ -120,6 +134,7 @@ def create(
         distributed=dist,
         hyperparameter_search=req.hyperparameter_search,
         lora=req.lora(),
+        base=base,
     )
     _check_length(spec, train.row_count or 0, settings.max_steps)
     tenant = _check_quota(session, settings, caller)
@@ -153,6 +168,18 @@ def create(
     send, job_id = enqueue_for(job), job.id
     on_commit(session, lambda: send(settings, job_id))
     return job
+
+
+def _fine_tuned_base(
+    session: Session, caller: Caller, name: str
+) -> tuple[registry.ModelInfo, Job, BaseModelRef]:
+    """An earlier job's fine-tuned model, of this tenant, with its merged PyTorch model stored."""
+    job = JobRepository(session).by_fine_tuned_model(caller.tenant_id, name)
+    artifact = ArtifactRepository(session).get(job.id, "pytorch") if job is not None else None
+    if job is None or job.status != JobStatus.succeeded or artifact is None:
+        raise NotFound(f"no fine-tuned model with id {name!r}", param="model", code="model_not_found")
+    ref = BaseModelRef(job_id=job.id, object_key=artifact.object_key, sha256=artifact.sha256)
+    return registry.ModelInfo(name, "local", None, (job.task,)), job, ref
 
 
 def _check_fits(session: Session, dist: Distributed, batch_size: int | str, search: bool) -> None:

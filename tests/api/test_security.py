@@ -403,3 +403,45 @@ def test_deleting_a_fine_tuned_model_frees_its_storage(secured: TestClient, sett
     assert (
         secured.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=bearer(key)).json()["status"] == "succeeded"
     )
+
+
+def test_a_fine_tuned_base_is_the_tenants_own_with_its_labels(
+    secured: TestClient, settings: Settings
+) -> None:
+    """`model: ft:...` continues only from this tenant's succeeded job whose model is stored, with the labels
+    it was trained on; another tenant's, a deleted one, or other labels are refused by name."""
+    lena, max_ = tenant_key(secured, "lena"), tenant_key(secured, "max")
+    file = upload(secured, lena).json()
+    job = create_job(secured, lena, file["id"]).json()
+    model = f"ft:tiny-bert:lena:{job['id']}"
+    with session_scope(settings.database_url) as session:
+        session.execute(
+            update(Job).where(Job.id == job["id"]).values(status=JobStatus.succeeded, fine_tuned_model=model)
+        )
+        ArtifactRepository(session).put(
+            Artifact(
+                job_id=job["id"], format="pytorch", object_key="k", bytes=1, sha256="ab" * 32, manifest={}
+            )
+        )
+    body = {"model": model, "training_file": file["id"]}
+    ok = secured.post("/v1/fine_tuning/jobs", json=body, headers=bearer(lena))
+    assert ok.status_code == 200, ok.text
+    theirs = upload(secured, max_).json()
+    stolen = secured.post(
+        "/v1/fine_tuning/jobs", json=body | {"training_file": theirs["id"]}, headers=bearer(max_)
+    )
+    assert stolen.status_code == 404 and stolen.json()["error"]["param"] == "model"
+
+    other = io.BytesIO(b'{"text": "x", "label": "a"}\n{"text": "y", "label": "b"}\n')
+    relabelled = secured.post(
+        "/v1/files", files={"file": ("o.jsonl", other)}, data={"purpose": "fine-tune"}, headers=bearer(lena)
+    ).json()
+    refused = secured.post(
+        "/v1/fine_tuning/jobs", json=body | {"training_file": relabelled["id"]}, headers=bearer(lena)
+    )
+    assert refused.status_code == 400 and "are not those" in refused.json()["error"]["message"]
+
+    secured.post(f"/v1/fine_tuning/jobs/{ok.json()['id']}/cancel", headers=bearer(lena))
+    assert secured.delete(f"/v1/models/{model}", headers=bearer(lena)).status_code == 200
+    gone = secured.post("/v1/fine_tuning/jobs", json=body, headers=bearer(lena))
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"

@@ -14,7 +14,7 @@ import pytest
 from ortune.cli import embedded
 from ortune.cli.client import Client
 from ortune.settings import Settings
-from tests.support import TERMINAL, events, rows, wait_for, write_jsonl
+from tests.support import DEMO, TERMINAL, events, rows, wait_for, write_jsonl
 from trainer_core import precision
 
 pytestmark = pytest.mark.e2e
@@ -240,3 +240,30 @@ def test_a_lora_chat_job_end_to_end(service: Client, tmp_path: Path) -> None:
     with tarfile.open(tmp_path / "adapter.tar") as tar:
         names = {Path(n).name for n in tar.getnames()}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= names
+
+
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_a_job_continued_from_a_fine_tuned_model_starts_from_its_weights(
+    service: Client, tmp_path: Path
+) -> None:
+    """`model: ft:...` is a base: the second job's first loss is where the first job ended, not where it
+    began (a fresh tiny-bert starts near ln 2)."""
+    train = service.upload(DEMO / "sentiment_train.jsonl")
+    body = {"training_file": train["id"], "backend": "torch", "seed": 3}
+    hp = {"batch_size": 16, "learning_rate": 2e-3, "max_seq_length": 32}
+    first = service.create_job(model="tiny-bert", **body, hyperparameters=hp | {"max_steps": 40})
+    done = wait_for(service, first["id"], TERMINAL)
+    assert done["status"] == "succeeded", done["error"]
+    second = service.create_job(model=done["fine_tuned_model"], **body, hyperparameters=hp | {"max_steps": 3})
+    again = wait_for(service, second["id"], TERMINAL)
+    assert again["status"] == "succeeded", again["error"]
+
+    def losses(job_id: str) -> list[float]:
+        return list(
+            service.get(f"/v1/fine_tuning/jobs/{job_id}/metrics", name="train_loss")["data"]["train_loss"][
+                "values"
+            ]
+        )
+
+    a, b = losses(first["id"]), losses(second["id"])
+    assert b[0] < (a[0] + sum(a[-5:]) / 5) / 2, (a[:3], a[-5:], b)
