@@ -39,6 +39,10 @@ def ort_problem(spec: TrainingSpec, *, cuda: bool) -> str | None:
     """None when ORTModule can train this spec here, otherwise why not."""
     if (unfit := _precision_problem(spec, cuda=cuda)) is not None:
         return unfit
+    if spec.hyperparameters.gradient_checkpointing:
+        return (
+            "gradient checkpointing runs under PyTorch: ORTModule exports one graph and plans its own memory"
+        )
     if spec.lora is not None:
         return "a LoRA adapter trains under PyTorch: ORTModule over a PEFT model is not wired into ortune yet"
     from trainer_core import ort_setup

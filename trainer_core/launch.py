@@ -109,6 +109,10 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
         events.emit("stopped", step=step)  # the worker tells a stop from a crash by this, not the exit code
         raise Stopped(step)
     final: dict[str, float] = {"train_loss": float(result.training_loss)}
+    if spec.hyperparameters.gradient_checkpointing:  # what the model really did, not what was asked
+        final["gradient_checkpointing"] = float(
+            bool(getattr(hf_trainer.plain_model, "is_gradient_checkpointing", 0))
+        )
     if valid_set is not None:
         # The Trainer may have evaluated the last step already (eval_every_steps divides max_steps).
         step = hf_trainer.state.global_step

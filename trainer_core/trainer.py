@@ -42,6 +42,9 @@ def training_arguments(
         per_device_train_batch_size=hp.batch_size // world,  # batch_size is the global batch
         per_device_eval_batch_size=max(hp.batch_size, 16),
         gradient_accumulation_steps=hp.gradient_accumulation_steps,
+        gradient_checkpointing=hp.gradient_checkpointing,
+        # non-reentrant: no input that requires grad needed (a LoRA model's embeddings are frozen)
+        gradient_checkpointing_kwargs={"use_reentrant": False} if hp.gradient_checkpointing else None,
         num_train_epochs=hp.n_epochs,
         max_steps=hp.max_steps or -1,
         learning_rate=hp.learning_rate,

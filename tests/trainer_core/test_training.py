@@ -448,3 +448,36 @@ def test_a_lora_job_trains_an_adapter_that_on_its_base_gives_the_merged_models_l
     with torch.no_grad():
         a, b = on_base.eval()(ids).logits, merged.eval()(ids).logits
     assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+
+
+def test_gradient_checkpointing_trains_the_same_steps(tmp_path: Path) -> None:
+    """Recomputing activations in the backward pass (dropout masks replayed) gives the losses of a run that
+    kept them; the job's backend says why it is PyTorch."""
+    train = write_jsonl(
+        tmp_path / "t.jsonl",
+        [json.loads(x) for x in (DEMO / "sentiment_train.jsonl").read_text().splitlines()[:48]],
+    )
+
+    def losses(checkpointing: bool) -> tuple[list[float], dict[str, Any]]:
+        spec = TrainingSpec(
+            job_id="ftjob-gc",
+            task="causal-lm",
+            model="tiny-gpt2",
+            train_file=str(train),
+            output_dir=str(tmp_path / f"out-{checkpointing}"),
+            hyperparameters=Hyperparameters(
+                max_steps=6, batch_size=8, learning_rate=1e-3, gradient_checkpointing=checkpointing
+            ).resolved(48, "causal-lm"),
+            precision="fp32",
+        )
+        code, events, stderr = launch_trainer(spec, tmp_path / f"spec-{checkpointing}.json")
+        assert code == 0, stderr
+        backend = next(e for e in events if e["type"] == "backend")
+        result = events[-1]
+        assert result["metrics"].get("gradient_checkpointing") == (1.0 if checkpointing else None)
+        return [e["train_loss"] for e in events if e["type"] == "metrics" and "train_loss" in e], backend
+
+    kept, _ = losses(False)
+    recomputed, backend = losses(True)
+    assert len(kept) == 6 and kept == pytest.approx(recomputed, rel=1e-4)
+    assert backend["used"] == "torch" and "gradient checkpointing runs under PyTorch" in backend["reason"]
