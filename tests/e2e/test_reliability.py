@@ -125,6 +125,9 @@ def test_a_worker_restarted_on_the_host_of_a_dead_one_takes_its_job_back_at_once
     assert "is gone (a new worker on its host found its process dead)" in lost["message"]
 
 
+# Postgres only: in the embedded default a worker frozen inside a write holds SQLite's one write lock, and
+# every other writer (the sweep that would requeue the job) waits until it wakes (seen in CI, by chance).
+@pytest.mark.parametrize("settings", ["production"], indirect=True)
 def test_a_frozen_worker_that_wakes_after_its_job_moved_on_writes_nothing(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -174,8 +177,9 @@ def test_a_frozen_worker_that_wakes_after_its_job_moved_on_writes_nothing(
             assert ("/attempt-2/" in key) == (step > resume_step), (step, key)
         models = session.scalars(select(Artifact.object_key).where(Artifact.job_id == job["id"])).all()
     assert models and all("/attempt-2/" in key for key in models), models
-    # and the woken attempt did try: its reports reached the fence (the old worker's own log)
-    assert "of superseded attempt 1" in (tmp_path / "logs" / "worker.log").read_text()
+    # and the woken worker found itself superseded (its reports dropped at the fence, or its trainer stopped
+    # before it reported more: which comes first is a race), as its own log says
+    assert "superseded" in (tmp_path / "logs" / "worker.log").read_text()
 
 
 @pytest.mark.parametrize("settings", ["embedded"], indirect=True)
