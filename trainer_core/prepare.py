@@ -80,16 +80,17 @@ def _encode(
         index = {str(label): i for i, label in enumerate(spec.labels)}
         ids = tokenizer([r["text"] for r in batch], truncation=True, max_length=max_len)["input_ids"]
         return ids, [index[str(r["label"])] for r in batch], None
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    encoded: list[tuple[list[int], list[int]]] = []
-    for row in batch:
-        if "messages" in row:  # the model's own chat template; the loss on every assistant turn
-            encoded.append(chat.encode(tokenizer, row["messages"], max_len))
-            continue
-        prompt, target = ("", row["text"]) if "text" in row else (row["prompt"], row["completion"])
-        p = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
-        t = tokenizer(target, add_special_tokens=False)["input_ids"] + eos
-        encoded.append(((p + t)[:max_len], ([0] * len(p) + [1] * len(t))[:max_len]))
+    if "messages" in batch[0]:  # a file holds one kind of row; chat: the model's own template, every turn
+        encoded = [chat.encode(tokenizer, row["messages"], max_len) for row in batch]
+    else:  # prompt/completion or text: one tokenizer call per batch for each side, as the fast path wants
+        pairs = [("", r["text"]) if "text" in r else (r["prompt"], r["completion"]) for r in batch]
+        prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+        targets = tokenizer([t for _, t in pairs], add_special_tokens=False)["input_ids"]
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        encoded = [
+            ((p + t + eos)[:max_len], ([0] * len(p) + [1] * (len(t) + len(eos)))[:max_len])
+            for p, t in zip(prompts, targets, strict=True)
+        ]
     return [i for i, _ in encoded], [sum(m) for _, m in encoded], [m for _, m in encoded]
 
 
