@@ -13,10 +13,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import verdict, write
-from ortune.cli import embedded
-from ortune.cli.client import Client
-from tests.hosts import FAST, Network, Workers, deployment, soak, trainer_attempts
-from tests.support import ADMIN_KEY, wait_until
+from tests.hosts import Network, running, soak, tenant_key, trainer_attempts
 
 
 def main() -> int:
@@ -30,23 +27,9 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
-        with deployment(tmp, 2, admin_api_key=ADMIN_KEY, **FAST) as d:
-            workers = Workers(d, tmp)
-            with embedded.start(d.settings, worker=False, log_dir=tmp / "logs"):
-                try:
-                    for host in d.network.hosts:
-                        workers.start(host)
-                    admin = Client(d.settings.api_url, api_key=ADMIN_KEY)
-                    wait_until("both hosts' workers", lambda: len(admin.get("/v1/nodes")["data"]) == 2, 120)
-                    keys = []
-                    for tenant in ("north", "south"):
-                        t = admin.post("/v1/admin/tenants", json={"name": tenant})
-                        keys.append(
-                            admin.post(f"/v1/admin/tenants/{t['id']}/api_keys", json={"name": "b"})["key"]
-                        )
-                    report = soak(d, workers, tmp, keys, n_jobs=args.jobs, rounds=args.rounds)
-                finally:
-                    workers.close()
+        with running(tmp) as (d, workers, admin):
+            keys = [tenant_key(admin, tenant) for tenant in ("north", "south")]
+            report = soak(d, workers, tmp, keys, n_jobs=args.jobs, rounds=args.rounds)
     lost = [j for j, job in report.jobs.items() if job["status"] != "succeeded"]
     other_5xx = [e for e in report.watch.server_errors if e[0] != 503 or not e[2]]
     rows = [

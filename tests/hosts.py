@@ -7,20 +7,37 @@ Used by tests/e2e/test_hosts.py (bounded, in CI) and bench/soak.py (longer)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
+import re
 import shutil
 import subprocess
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+import psutil
+
+from ortune.cli import embedded
+from ortune.cli.client import Client
 from ortune.db.migrate import upgrade
 from ortune.settings import Settings
 from tests import services
-from tests.support import TEST_DEFAULTS
+from tests.support import (
+    ADMIN_KEY,
+    TERMINAL,
+    TEST_DEFAULTS,
+    rows,
+    wait_until,
+    worker_process,
+    write_jsonl,
+)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -170,8 +187,6 @@ class Workers:
         self.stack = ExitStack()
 
     def start(self, host: Host) -> None:
-        from tests.support import worker_process
-
         node = self.d.node(host, self.tmp)
         log = self.tmp / f"{host.name}.log"
         self.procs[host.name] = self.stack.enter_context(worker_process(node, host.name, log, host.prefix))
@@ -183,6 +198,29 @@ class Workers:
 
     def close(self) -> None:
         self.stack.close()
+
+
+@contextmanager
+def running(tmp: Path, n_hosts: int = 2) -> Iterator[tuple[Deployment, Workers, Client]]:
+    """A deployment on `n_hosts` hosts with the API on the bridge and a worker on each host, registered: the
+    deployment, its workers (to kill and restart) and a client with the platform key."""
+    with deployment(tmp, n_hosts, admin_api_key=ADMIN_KEY, **FAST) as d:
+        workers = Workers(d, tmp)
+        with embedded.start(d.settings, worker=False, log_dir=tmp / "logs"):
+            try:
+                for host in d.network.hosts:
+                    workers.start(host)
+                admin = Client(d.settings.api_url, api_key=ADMIN_KEY)
+                wait_until("every host's worker", lambda: len(admin.get("/v1/nodes")["data"]) == n_hosts, 120)
+                yield d, workers, admin
+            finally:
+                workers.close()
+
+
+def tenant_key(admin: Client, name: str) -> str:
+    """A new tenant's API key, made with the platform key."""
+    tenant = admin.post("/v1/admin/tenants", json={"name": name})
+    return str(admin.post(f"/v1/admin/tenants/{tenant['id']}/api_keys", json={"name": "soak"})["key"])
 
 
 @dataclass
@@ -199,10 +237,6 @@ class Watch:
 def trainer_attempts() -> dict[str, set[int]]:
     """Live trainer processes on this machine (every namespace shares its process table), by job: the
     attempts they belong to, read from their work directory (<work>/<job>/attempt-<n>/...)."""
-    import re
-
-    import psutil
-
     found: dict[str, set[int]] = {}
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
@@ -233,15 +267,6 @@ def soak(d: Deployment, workers: Workers, tmp: Path, keys: list[str], n_jobs: in
     """Submit `n_jobs` small jobs round-robin from the tenants of `keys`, inject `rounds` rounds of faults
     (SIGKILL a worker, partition a host, restart Redis, restart Postgres) while they run, and wait for every
     job to end. What was seen is returned; the caller asserts on it."""
-    import hashlib
-    import threading
-    import time
-
-    import httpx
-
-    from ortune.cli.client import Client
-    from tests.support import TERMINAL, rows, write_jsonl
-
     api = d.settings.api_url
     clients = [Client(api, api_key=k) for k in keys]
     watch, stop = Watch(), threading.Event()

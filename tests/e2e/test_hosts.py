@@ -8,57 +8,41 @@ from pathlib import Path
 
 import pytest
 
-from ortune.cli import embedded
-from ortune.cli.client import Client
-from tests.hosts import FAST, Network, Workers, deployment, soak, trainer_attempts
-from tests.support import ADMIN_KEY, TERMINAL, events, rows, wait_for, wait_until, write_jsonl
+from tests.hosts import Network, running, soak, tenant_key, trainer_attempts
+from tests.support import TERMINAL, events, rows, wait_for, wait_until, write_jsonl
 
 SKIP = Network.skip_reason()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
 
 
-def tenant_key(admin: Client, name: str) -> str:
-    tenant = admin.post("/v1/admin/tenants", json={"name": name})
-    return str(admin.post(f"/v1/admin/tenants/{tenant['id']}/api_keys", json={"name": "soak"})["key"])
-
-
 def test_a_ddp_job_across_two_hosts_then_a_fault_soak(tmp_path: Path) -> None:
-    with deployment(tmp_path, 2, admin_api_key=ADMIN_KEY, **FAST) as d:
+    with running(tmp_path) as (d, workers, admin):
         assert not d.settings.api_url.startswith("http://127.")
-        workers = Workers(d, tmp_path)
-        with embedded.start(d.settings, worker=False, log_dir=tmp_path / "logs"):
-            try:
-                for host in d.network.hosts:
-                    workers.start(host)
-                admin = Client(d.settings.api_url, api_key=ADMIN_KEY)
-                wait_until("both hosts' workers", lambda: len(admin.get("/v1/nodes")["data"]) == 2, 120)
-                nodes = {n["id"]: n["address"] for n in admin.get("/v1/nodes")["data"]}
-                assert nodes == {h.name: h.address for h in d.network.hosts}
+        nodes = {n["id"]: n["address"] for n in admin.get("/v1/nodes")["data"]}
+        assert nodes == {h.name: h.address for h in d.network.hosts}
 
-                train = admin.upload(write_jsonl(tmp_path / "ddp.jsonl", rows(16)))
-                ddp = admin.create_job(
-                    model="tiny-bert",
-                    training_file=train["id"],
-                    backend="torch",
-                    distributed={"nodes": 2},
-                    hyperparameters={"max_steps": 6, "batch_size": 8, "max_seq_length": 32},
-                )
-                done = wait_for(admin, ddp["id"], TERMINAL, timeout=300)
-                assert done["status"] == "succeeded", done["error"]
-                placed = next(e["message"] for e in events(admin, ddp["id"]) if "placed on" in e["message"])
-                assert all(h.name in placed for h in d.network.hosts), placed
+        train = admin.upload(write_jsonl(tmp_path / "ddp.jsonl", rows(16)))
+        ddp = admin.create_job(
+            model="tiny-bert",
+            training_file=train["id"],
+            backend="torch",
+            distributed={"nodes": 2},
+            hyperparameters={"max_steps": 6, "batch_size": 8, "max_seq_length": 32},
+        )
+        done = wait_for(admin, ddp["id"], TERMINAL, timeout=300)
+        assert done["status"] == "succeeded", done["error"]
+        placed = next(e["message"] for e in events(admin, ddp["id"]) if "placed on" in e["message"])
+        assert all(h.name in placed for h in d.network.hosts), placed
 
-                keys = [tenant_key(admin, name) for name in ("north", "south")]
-                report = soak(d, workers, tmp_path, keys, n_jobs=6)
+        keys = [tenant_key(admin, name) for name in ("north", "south")]
+        report = soak(d, workers, tmp_path, keys, n_jobs=6)
 
-                def released() -> list[dict[str, object]] | None:
-                    nodes = admin.get("/v1/nodes")["data"]
-                    free = all(n["free_devices"] == n["devices"] and not n["running"] for n in nodes)
-                    return nodes if free else None
+        def released() -> list[dict[str, object]] | None:
+            nodes = admin.get("/v1/nodes")["data"]
+            free = all(n["free_devices"] == n["devices"] and not n["running"] for n in nodes)
+            return nodes if free else None
 
-                nodes_after = wait_until("every device given back", released, 60)
-            finally:
-                workers.close()
+        nodes_after = wait_until("every device given back", released, 60)
     print(f"soak: {report.wall_s} s, faults {[(f.name, f.recovered_s) for f in report.faults]}")
     not_done = {j: job["status"] for j, job in report.jobs.items() if job["status"] != "succeeded"}
     assert not not_done, {j: report.jobs[j].get("error") for j in not_done}  # no job lost
