@@ -130,11 +130,28 @@ def test_error_report_is_bounded(tmp_path: Path) -> None:
     assert report.error_count == 50 and "and 40 more" in (report.details() or "")
 
 
+def demo_file(tmp: Path, n: int) -> Path:
+    """The demo's first `n` training rows as a JSONL file of the test's own."""
+    lines = (DEMO / "sentiment_train.jsonl").read_text().splitlines()[:n]
+    return write_jsonl(tmp / "t.jsonl", [json.loads(x) for x in lines])
+
+
+def tiny_causal_lm(directory: Path, tokenizer: Any, shape: str = "llama") -> None:
+    """A tiny Llama- or Qwen2-shaped model built from a config (seeded), saved with `tokenizer` as a local
+    model directory: what a team's own base model looks like to the registry."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config, cls = (LlamaConfig, LlamaForCausalLM) if shape == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    torch.manual_seed(0)
+    size = {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    cls(config(**size, **heads)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
 def test_launch_by_hand_emits_json_lines(tmp_path: Path) -> None:
-    train = write_jsonl(
-        tmp_path / "t.jsonl",
-        [json.loads(x) for x in (DEMO / "sentiment_train.jsonl").read_text().splitlines()[:32]],
-    )
+    train = demo_file(tmp_path, 32)
     spec = TrainingSpec(
         job_id="ftjob-hand",
         task="sequence-classification",
@@ -167,10 +184,7 @@ def test_a_failed_onnx_export_costs_that_artifact_only(
         raise export.ExportError("ONNX logits differ from PyTorch by 0.5 (tolerance 0.001)")
 
     monkeypatch.setattr(export, "export_onnx", refuse)
-    train = write_jsonl(
-        tmp_path / "t.jsonl",
-        [json.loads(x) for x in (DEMO / "sentiment_train.jsonl").read_text().splitlines()[:32]],
-    )
+    train = demo_file(tmp_path, 32)
     spec = launch.with_stores(
         TrainingSpec(
             job_id="ftjob-export",
@@ -262,7 +276,7 @@ def test_a_hugging_face_cache_is_a_registry_and_its_chat_template_is_used(tmp_pa
     """A tiny Llama- or Qwen2-shaped model built from a config, with a tokenizer carrying a chat template,
     saved in the hub cache layout (models--org--name/snapshots/<rev>, refs/main): found under the hub's id,
     loaded through from_pretrained, and its own template (not the default) renders the chat rows."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
     from trainer_core import chat, modeling, prepare, registry
 
@@ -274,13 +288,10 @@ def test_a_hugging_face_cache_is_a_registry_and_its_chat_template_is_used(tmp_pa
             "<|im_start|>assistant", "<|im_start|>ASSISTANT"
         )
     )
-    small = {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
-    heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
-    config, cls = (LlamaConfig, LlamaForCausalLM) if shape == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    cls = LlamaForCausalLM if shape == "llama" else Qwen2ForCausalLM
     cache = tmp_path / "hub" / f"models--acme--tiny-{shape}"
     snapshot = cache / "snapshots" / "0123abcd"
-    cls(config(**small, **heads)).save_pretrained(snapshot)
-    tokenizer.save_pretrained(snapshot)
+    tiny_causal_lm(snapshot, tokenizer, shape)
     (cache / "refs").mkdir()
     (cache / "refs" / "main").write_text("0123abcd")
 
@@ -391,7 +402,7 @@ def test_a_lora_job_trains_an_adapter_that_on_its_base_gives_the_merged_models_l
     adapter loaded on the base with PEFT gives the merged model's logits."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from trainer_core import modeling
     from trainer_core.spec import Lora
@@ -401,18 +412,7 @@ def test_a_lora_job_trains_an_adapter_that_on_its_base_gives_the_merged_models_l
     ]
     tokenizer = modeling.train_tokenizer("tiny-gpt2", texts * 20)
     base = tmp_path / "acme" / "tiny-llama"
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    LlamaForCausalLM(config).save_pretrained(base)
-    tokenizer.save_pretrained(base)
+    tiny_causal_lm(base, tokenizer)
     chat_rows = [
         {"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": f"{w} {w}"}]}
         for w in "abcdefgh" * 4
@@ -453,10 +453,7 @@ def test_a_lora_job_trains_an_adapter_that_on_its_base_gives_the_merged_models_l
 def test_gradient_checkpointing_trains_the_same_steps(tmp_path: Path) -> None:
     """Recomputing activations in the backward pass (dropout masks replayed) gives the losses of a run that
     kept them; the job's backend says why it is PyTorch."""
-    train = write_jsonl(
-        tmp_path / "t.jsonl",
-        [json.loads(x) for x in (DEMO / "sentiment_train.jsonl").read_text().splitlines()[:48]],
-    )
+    train = demo_file(tmp_path, 48)
 
     def losses(checkpointing: bool) -> tuple[list[float], dict[str, Any]]:
         spec = TrainingSpec(
