@@ -12,10 +12,23 @@ from ortune.db.models import Checkpoint, Job, JobEvent, JobStatus
 from ortune.db.repositories import CheckpointRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
-from ortune.storage import pack_dir
+from ortune.storage import ObjectStore, pack_dir
 from tests.support import job_spec, stored_job
 from trainer_core.spec import Distributed
 from worker.staging import resume_point, store_of
+
+
+def store_checkpoint(
+    store: ObjectStore, tmp: Path, key: str, step: int, name: str, data: bytes
+) -> tuple[int, str]:
+    """A `checkpoint-<step>` folder holding one file, packed and stored under `key`: its size and sha256."""
+    folder = tmp / key.replace("/", "_") / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    (folder / name).write_bytes(data)
+    archive = folder.parent / "packed.tar"
+    size, digest = pack_dir(folder, archive)
+    store.put_path(key, archive)
+    return size, digest
 
 
 def job_with_checkpoints(settings: Settings, tmp: Path, steps: list[int], nodes: int = 1) -> Job:
@@ -24,12 +37,9 @@ def job_with_checkpoints(settings: Settings, tmp: Path, steps: list[int], nodes:
     with session_scope(settings.database_url) as session:
         job = stored_job(session, status=JobStatus.running, attempt=2, spec=spec, world_size=nodes)
         for step in steps:
-            folder = tmp / f"c{step}" / f"checkpoint-{step}"
-            folder.mkdir(parents=True)
-            (folder / "trainer_state.json").write_text(f'{{"global_step": {step}}}')
-            size, digest = pack_dir(folder, tmp / f"c{step}.tar")
             key = f"jobs/{job.id}/checkpoints/{step}.tar"
-            store.put_path(key, tmp / f"c{step}.tar")
+            state = f'{{"global_step": {step}}}'.encode()
+            size, digest = store_checkpoint(store, tmp, key, step, "trainer_state.json", state)
             CheckpointRepository(session).add(
                 Checkpoint(
                     id=new_id("ftckpt"), job_id=job.id, step=step, object_key=key, bytes=size, sha256=digest
@@ -67,12 +77,8 @@ def test_another_nodes_damaged_part_is_not_unpacked_either(settings: Settings, t
     store = store_of(settings)
     with session_scope(settings.database_url) as session:
         for step in (10, 20):
-            folder = tmp_path / f"p{step}" / f"checkpoint-{step}"
-            folder.mkdir(parents=True)
-            (folder / "rng_state_1.pth").write_bytes(b"rank 1")
-            _, digest = pack_dir(folder, tmp_path / f"p{step}.tar")
             key = f"jobs/{job.id}/checkpoints/{step}.node-1.tar"
-            store.put_path(key, tmp_path / f"p{step}.tar")
+            _, digest = store_checkpoint(store, tmp_path, key, step, "rng_state_1.pth", b"rank 1")
             assert CheckpointRepository(session).add_part(job.id, step, key, digest)
     tampered = tmp_path / "tampered.tar"
     tampered.write_bytes(b"\0" * 1024)
