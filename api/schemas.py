@@ -6,11 +6,21 @@ from datetime import datetime
 from types import SimpleNamespace
 from typing import Annotated, Any, Generic, Literal, Protocol, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ortune.db.models import Artifact, Checkpoint, File, Job, JobEvent
 from ortune.search_space import HyperparameterSearch
-from trainer_core.spec import Backend, Distributed, Hyperparameters, Lora, Optim, Precision, Task
+from trainer_core.spec import (
+    Auto,
+    Backend,
+    Distributed,
+    Dpo,
+    Hyperparameters,
+    Lora,
+    Optim,
+    Precision,
+    Task,
+)
 
 T = TypeVar("T")
 
@@ -93,10 +103,36 @@ class SupervisedMethod(BaseModel):
     )
 
 
+class DpoHyperparameters(Hyperparameters):
+    """OpenAI's DPO hyperparameters: the supervised ones and `beta`."""
+
+    beta: Annotated[float, Field(gt=0, le=10)] | Auto = "auto"
+
+
+class DpoMethod(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    hyperparameters: DpoHyperparameters | None = None
+    lora: Lora | None = Field(
+        default=None, description="Train a LoRA adapter; the base with it switched off is the reference."
+    )
+
+
 class Method(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    type: Literal["supervised"] = "supervised"
+    type: Literal["supervised", "dpo"] = "supervised"
     supervised: SupervisedMethod | None = None
+    dpo: DpoMethod | None = None
+
+    @model_validator(mode="after")
+    def _one_method(self) -> Method:
+        other = "dpo" if self.type == "supervised" else "supervised"
+        if getattr(self, other) is not None:
+            raise ValueError(f"method.{other} given with method.type {self.type}")
+        return self
+
+    @property
+    def options(self) -> SupervisedMethod | DpoMethod | None:
+        return self.supervised if self.type == "supervised" else self.dpo
 
 
 class JobCreate(BaseModel):
@@ -130,11 +166,21 @@ class JobCreate(BaseModel):
         return value
 
     def lora(self) -> Lora | None:
-        return self.method.supervised.lora if self.method and self.method.supervised else None
+        options = self.method.options if self.method else None
+        return options.lora if options else None
+
+    def dpo(self) -> Dpo | None:
+        """The DPO settings of a `method.type: dpo` job (beta resolved), None for supervised."""
+        if self.method is None or self.method.type != "dpo":
+            return None
+        hp = self.method.dpo.hyperparameters if self.method.dpo else None
+        return Dpo() if hp is None or hp.beta == "auto" else Dpo(beta=hp.beta)
 
     def effective_hyperparameters(self) -> Hyperparameters:
-        if self.method and self.method.supervised and self.method.supervised.hyperparameters:
-            return self.method.supervised.hyperparameters
+        options = self.method.options if self.method else None
+        if options is not None and options.hyperparameters is not None:
+            asked = options.hyperparameters.model_dump(exclude_unset=True, exclude={"beta"})
+            return Hyperparameters(**asked)
         return self.hyperparameters or Hyperparameters()
 
 
@@ -149,9 +195,17 @@ class Progress(BaseModel):
     total_steps: int | None
 
 
-def _lora(spec: Any) -> dict[str, Any]:
+def _method(spec: Any, hp: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's `method` of a stored spec, with our options (lora) inside it."""
     lora = getattr(spec, "lora", None)
-    return {"lora": lora.model_dump(mode="json")} if lora is not None else {}
+    options: dict[str, Any] = {"hyperparameters": hp}
+    if lora is not None:
+        options["lora"] = lora.model_dump(mode="json")
+    dpo = getattr(spec, "dpo", None)
+    if dpo is not None:
+        options["hyperparameters"] = hp | {"beta": dpo.beta}
+        return {"type": "dpo", "dpo": options}
+    return {"type": "supervised", "supervised": options}
 
 
 class FineTuningJob(BaseModel):
@@ -218,7 +272,7 @@ class FineTuningJob(BaseModel):
             seed=job.seed,
             suffix=job.suffix,
             metadata=job.user_metadata,
-            method={"type": "supervised", "supervised": {"hyperparameters": hp} | _lora(spec)},
+            method=_method(spec, hp),
             task=job.task,
             backend=job.backend_requested,
             backend_used=job.backend_used,

@@ -14,6 +14,7 @@ from ortune.search_space import HyperparameterSearch
 from trainer_core.spec import (
     Backend,
     Distributed,
+    Dpo,
     Hyperparameters,
     Lora,
     Optim,
@@ -45,6 +46,7 @@ class JobSpec(BaseModel):
     checkpoint_every_steps: int | None = None
     keep_checkpoints: int = 3  # the last N checkpoints are kept in storage, and the best one
     lora: Lora | None = None  # an adapter instead of full fine-tuning
+    dpo: Dpo | None = None  # method dpo; None: supervised
     base: BaseModelRef | None = None  # continuing from an earlier job's model (`model: ft:...`)
     distributed: Distributed = Distributed()
     # As the user asked, with OpenAI's "auto" values shown resolved (the job's `hyperparameters` field)...
@@ -108,6 +110,7 @@ class JobSpec(BaseModel):
             "checkpoint_every_steps": self.checkpoint_every_steps,
             "distributed": self.distributed,
             "lora": self.lora,
+            "dpo": self.dpo,
         }
 
     @property

@@ -42,6 +42,28 @@ def rows(n: int, name: str = "sentiment_train.jsonl") -> list[dict[str, Any]]:
     return [json.loads(line) for line in (DEMO / name).read_text().splitlines()[:n]]
 
 
+ANIMALS = {"cow": "moo", "dog": "woof", "cat": "meow", "duck": "quack", "owl": "hoot", "sheep": "baa"}
+REFUSALS = ("No.", "Ask someone else.", "I will not tell you.")
+
+
+def preference_rows(n: int, held_out: bool = False) -> list[dict[str, Any]]:
+    """`n` DPO pairs in OpenAI's format: the animal's sound preferred over a refusal. Held-out rows ask in
+    other words, so what carries over is the preference, not the prompt."""
+    names = list(ANIMALS)
+    out = []
+    for i in range(n):
+        animal = names[i % len(names)]
+        ask = f"Which sound does a {animal} make?" if held_out else f"What does a {animal} say?"
+        out.append(
+            {
+                "input": {"messages": [{"role": "user", "content": ask}]},
+                "preferred_output": [{"role": "assistant", "content": f"A {animal} says {ANIMALS[animal]}."}],
+                "non_preferred_output": [{"role": "assistant", "content": REFUSALS[i % len(REFUSALS)]}],
+            }
+        )
+    return out
+
+
 def write_jsonl(path: Path, items: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in items))
     return path

@@ -36,15 +36,18 @@ class BackendChoice:
 
 
 def ort_problem(spec: TrainingSpec, *, cuda: bool) -> str | None:
-    """None when ORTModule can train this spec here, otherwise why not."""
-    if (unfit := _precision_problem(spec, cuda=cuda)) is not None:
-        return unfit
+    """None when ORTModule can train this spec here, otherwise why not: what the job is first (its method,
+    an adapter), then how it runs (its precision)."""
     if spec.hyperparameters.gradient_checkpointing:
         return (
             "gradient checkpointing runs under PyTorch: ORTModule exports one graph and plans its own memory"
         )
+    if spec.dpo is not None:
+        return "DPO trains under PyTorch: TRL's DPOTrainer runs a reference model beside the policy"
     if spec.lora is not None:
         return "a LoRA adapter trains under PyTorch: ORTModule over a PEFT model is not wired into ortune yet"
+    if (unfit := _precision_problem(spec, cuda=cuda)) is not None:
+        return unfit
     from trainer_core import ort_setup
 
     if (broken := ort_setup.reason_if_broken()) is not None:

@@ -17,6 +17,16 @@ METRIC_NAMES = {
     "learning_rate": "learning_rate",
     "grad_norm": "grad_norm",
     "epoch": "epoch",
+    # DPO (TRL): the implicit reward's margin and how often it ranks the preferred answer first
+    "rewards/margins": "reward_margin",
+    "rewards/accuracies": "reward_accuracy",
+}
+EVAL_NAMES = {
+    "eval_loss": "eval_loss",
+    "eval_accuracy": "eval_accuracy",
+    "eval_rewards/margins": "eval_reward_margin",
+    "eval_rewards/accuracies": "eval_reward_accuracy",
+    "eval_preference_accuracy": "eval_preference_accuracy",  # trainer_core/dpo.py
 }
 
 
@@ -53,8 +63,8 @@ class EventCallback(TrainerCallback):
             if not isinstance(value, int | float):
                 continue
             if key.startswith("eval_"):
-                if key in ("eval_loss", "eval_accuracy"):
-                    values[key] = float(value)
+                if key in EVAL_NAMES:
+                    values[EVAL_NAMES[key]] = float(value)
             elif key in METRIC_NAMES:
                 values[METRIC_NAMES[key]] = float(value)
         elapsed = time.perf_counter() - self._t0

@@ -62,3 +62,10 @@ def encode(tokenizer: Any, messages: list[dict[str, Any]], max_len: int) -> tupl
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(any(start <= a < end for start, end in spans)) for a, _ in enc["offset_mapping"]]
     return list(enc["input_ids"])[:max_len], mask[:max_len]
+
+
+def answered(prompt: list[dict[str, Any]], answer: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A preference pair's side as one conversation whose loss is on `answer` alone: the prompt's own
+    assistant turns (earlier turns of the conversation) carry none."""
+    earlier = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in prompt]
+    return earlier + answer

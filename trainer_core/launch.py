@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from trainer_core.callbacks import StopOnRequest
+from trainer_core.callbacks import EVAL_NAMES, StopOnRequest
 from trainer_core.contract import EXIT_FAILED, EXIT_OK, EXIT_SPEC_ERROR, EXIT_STOPPED, die_with_parent
 from trainer_core.events import EventStream
 from trainer_core.ranks import rank
@@ -118,14 +118,14 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
         step = hf_trainer.state.global_step
         done = [h for h in hf_trainer.state.log_history if "eval_loss" in h and h.get("step") == step]
         after = done[-1] if done else hf_trainer.evaluate()
-        final |= {k: float(v) for k, v in after.items() if k in ("eval_loss", "eval_accuracy")}
+        final |= {EVAL_NAMES[k]: float(v) for k, v in after.items() if k in EVAL_NAMES}
     if spec.distributed.world_size > 1:  # every rank, before rank 0 goes on alone: it is a collective
         final["replicas_max_rel_diff"] = ranks.check_in_sync(hf_trainer.plain_model)
 
     if rank() != 0:
         return  # rank 0 saves, exports and reports for the whole job
     if choice.used == "ort":
-        nodes = ort_trainer.training_graph_nodes(hf_trainer.ort_module)  # type: ignore[arg-type]
+        nodes = ort_trainer.training_graph_nodes(hf_trainer.ort_module)
         final["ort_training_graph_nodes"] = nodes
         events.message(f"ONNX Runtime trained this job: its training graph has {nodes} nodes")
 
@@ -137,6 +137,7 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
         "job_id": spec.job_id,
         "base_model": spec.model,
         "task": spec.task,
+        "method": "dpo" if spec.dpo is not None else "supervised",
         "labels": spec.labels,
         "backend_used": choice.used,
         "steps": hf_trainer.state.global_step,

@@ -34,6 +34,8 @@ def _text(row: dict[str, Any]) -> str:
     """A row as one text: what a built model's tokenizer learns from, and the export's parity samples."""
     if "messages" in row:
         return chat.plain(row["messages"])
+    if "preferred_output" in row:  # both answers: a built model's tokenizer must know the words of each
+        return chat.plain(row["input"]["messages"] + row["preferred_output"] + row["non_preferred_output"])
     if "prompt" in row:
         return str(row["prompt"]) + str(row["completion"])
     return str(row["text"])
@@ -82,6 +84,12 @@ def _encode(
         return ids, [index[str(r["label"])] for r in batch], None
     if "messages" in batch[0]:  # a file holds one kind of row; chat: the model's own template, every turn
         encoded = [chat.encode(tokenizer, row["messages"], max_len) for row in batch]
+    elif "preferred_output" in batch[0]:  # a pair as two rows, preferred then not: see trainer_core/dpo.py
+        encoded = [
+            chat.encode(tokenizer, chat.answered(row["input"]["messages"], row[side]), max_len)
+            for row in batch
+            for side in ("preferred_output", "non_preferred_output")
+        ]
     else:  # prompt/completion or text: one tokenizer call per batch for each side, as the fast path wants
         pairs = [("", r["text"]) if "text" in r else (r["prompt"], r["completion"]) for r in batch]
         prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
@@ -108,6 +116,8 @@ def _build(
     has_tokenizer: bool,
 ) -> None:
     writer = StoreWriter(store, key, spec.task)
+    unit = 2 if spec.dpo is not None else 1  # store rows per file row
+    rows_word = "pairs" if unit == 2 else "rows"
     t0 = last = time.monotonic()
     cpu0 = time.process_time()
     with path.open(encoding="utf-8", newline="") as fh:
@@ -116,8 +126,14 @@ def _build(
             ids, targets, loss = _encode(batch, tokenizer, spec)
             texts = [_text(r) for r in batch[:8]]
             if loss is not None:  # a row whose every loss token was cut would train on nothing (a 0/0 loss)
-                keep = [n for n, count in enumerate(targets) if count]
-                writer.dropped += len(targets) - len(keep)
+                # a preference pair's two rows are kept or left out together
+                keep = [
+                    n + k
+                    for n in range(0, len(targets), unit)
+                    if all(targets[n : n + unit])
+                    for k in range(unit)
+                ]
+                writer.dropped += (len(targets) - len(keep)) // unit
                 ids, targets, loss = (
                     [ids[n] for n in keep],
                     [targets[n] for n in keep],
@@ -126,12 +142,12 @@ def _build(
             writer.add(ids, targets, texts, loss)
             if (now := time.monotonic()) - last >= PROGRESS_EVERY_S:
                 last = now
-                _progress(events, what, writer.rows, total, writer.rows / (now - t0))
+                _progress(events, what, writer.rows // unit, total, writer.rows / unit / (now - t0))
     meta = writer.close(has_tokenizer=has_tokenizer)
     took = time.monotonic() - t0
     events.message(
-        f"Tokenized {meta.rows:,} {what} rows ({meta.tokens:,} tokens) in {took:.1f}s "
-        f"({meta.rows / max(took, 1e-9):,.0f} rows/s)",
+        f"Tokenized {meta.rows // unit:,} {what} {rows_word} ({meta.tokens:,} tokens) in {took:.1f}s "
+        f"({meta.rows / unit / max(took, 1e-9):,.0f} {rows_word}/s)",
         phase="tokenizing",
         rows=meta.rows,
         tokens=meta.tokens,
@@ -142,8 +158,8 @@ def _build(
     if meta.dropped:
         limit = seq_limit(spec, tokenizer)
         cut = (
-            f"{meta.dropped:,} {what} rows were left out: max_seq_length {limit} cut every token that "
-            "carried their loss (their assistant turns, or completion)"
+            f"{meta.dropped:,} {what} {rows_word} were left out: max_seq_length {limit} cut every token "
+            "that carried their loss (their assistant turns, or completion)"
         )
         if not meta.rows:
             raise ValueError(f"{cut}, which was all of them; raise max_seq_length")

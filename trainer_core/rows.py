@@ -1,7 +1,9 @@
 """Row formats a training file may hold, and the streaming check run on every upload.
 
 Supported rows (JSONL objects, or CSV with a header): `{"text", "label"}`, `{"text"}`,
-`{"prompt", "completion"}` and chat `{"messages": [{"role", "content"}, ...]}`. A file holds one kind.
+`{"prompt", "completion"}`, chat `{"messages": [{"role", "content"}, ...]}` and preference pairs in OpenAI's
+DPO format `{"input": {"messages"}, "preferred_output": [...], "non_preferred_output": [...]}`. A file holds
+one kind.
 """
 
 from __future__ import annotations
@@ -17,11 +19,17 @@ KINDS: dict[str, frozenset[str]] = {
     "text_label": frozenset({"text", "label"}),
     "prompt_completion": frozenset({"prompt", "completion"}),
     "chat": frozenset({"messages"}),
+    "preference": frozenset({"input", "preferred_output", "non_preferred_output"}),
     "text": frozenset({"text"}),
 }
 TASK_KINDS: dict[str, tuple[str, ...]] = {
     "sequence-classification": ("text_label",),
-    "causal-lm": ("text", "prompt_completion", "chat"),
+    "causal-lm": ("text", "prompt_completion", "chat", "preference"),
+}
+# What each method trains on: DPO on preference pairs only, supervised on anything else.
+METHOD_KINDS: dict[str, tuple[str, ...]] = {
+    "supervised": ("text_label", "text", "prompt_completion", "chat"),
+    "dpo": ("preference",),
 }
 FORMATS = ("jsonl", "csv")
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -38,8 +46,9 @@ def file_format(filename: str) -> str | None:
     return {"jsonl": "jsonl", "json": "jsonl", "ndjson": "jsonl", "csv": "csv"}.get(suffix)
 
 
-def required_columns(task: str) -> str:
-    return " or ".join("{" + ", ".join(sorted(KINDS[k])) + "}" for k in TASK_KINDS[task])
+def required_columns(name: str, by: str = "task") -> str:
+    kinds = (TASK_KINDS if by == "task" else METHOD_KINDS)[name]
+    return " or ".join("{" + ", ".join(sorted(KINDS[k])) + "}" for k in kinds)
 
 
 def row_kind(row: dict[str, Any]) -> str:
@@ -63,23 +72,41 @@ def row_kind(row: dict[str, Any]) -> str:
     )
 
 
+def _check_messages(messages: Any, where: str, roles: frozenset[str] = CHAT_ROLES) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise RowError(f"'{where}' must be a non-empty list")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") not in roles:
+            allowed = f"one of {', '.join(sorted(roles))}" if len(roles) > 1 else next(iter(roles))
+            raise RowError(f"{where}[{i}].role must be {allowed}")
+        if not isinstance(msg.get("content"), str):
+            raise RowError(f"{where}[{i}].content must be a string")
+        if "weight" in msg:  # OpenAI's: 0 leaves an assistant turn out of the loss
+            if where != "messages":
+                raise RowError(f"{where}[{i}].weight is only for a chat row's assistant messages")
+            if msg["role"] != "assistant":
+                raise RowError(f"{where}[{i}].weight is only for assistant messages")
+            if isinstance(msg["weight"], bool) or msg["weight"] not in (0, 1):
+                raise RowError(f"{where}[{i}].weight must be 0 or 1")
+
+
 def _check_values(kind: str, row: dict[str, Any]) -> None:
     if kind == "chat":
-        messages = row["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise RowError("'messages' must be a non-empty list")
-        for i, msg in enumerate(messages):
-            if not isinstance(msg, dict) or msg.get("role") not in CHAT_ROLES:
-                raise RowError(f"messages[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}")
-            if not isinstance(msg.get("content"), str):
-                raise RowError(f"messages[{i}].content must be a string")
-            if "weight" in msg:  # OpenAI's: 0 leaves an assistant turn out of the loss
-                if msg["role"] != "assistant":
-                    raise RowError(f"messages[{i}].weight is only for assistant messages")
-                if isinstance(msg["weight"], bool) or msg["weight"] not in (0, 1):
-                    raise RowError(f"messages[{i}].weight must be 0 or 1")
-        if not any(m["role"] == "assistant" and m.get("weight", 1) for m in messages):
+        _check_messages(row["messages"], "messages")
+        if not any(m["role"] == "assistant" and m.get("weight", 1) for m in row["messages"]):
             raise RowError("a chat row needs an assistant message to learn from (one without weight 0)")
+        return
+    if kind == "preference":
+        prompt = row["input"]
+        if not isinstance(prompt, dict) or "messages" not in prompt:
+            raise RowError("'input' must be an object with 'messages'")
+        if extra := set(prompt) - {"messages"}:
+            raise RowError(f"unsupported field(s) {', '.join(sorted(extra))} in 'input'")
+        _check_messages(prompt["messages"], "input.messages")
+        for side in ("preferred_output", "non_preferred_output"):
+            _check_messages(row[side], side, frozenset({"assistant"}))
+        if row["preferred_output"] == row["non_preferred_output"]:
+            raise RowError("preferred_output and non_preferred_output are the same: nothing to prefer")
         return
     for name in KINDS[kind]:
         value = row[name]
@@ -245,6 +272,7 @@ def check_file(
 __all__ = [
     "FORMATS",
     "KINDS",
+    "METHOD_KINDS",
     "TASK_KINDS",
     "LineTooLong",
     "Report",

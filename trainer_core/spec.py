@@ -73,6 +73,13 @@ class Lora(Strict):
     )
 
 
+class Dpo(Strict):
+    """Direct preference optimisation (TRL's DPOTrainer) on preference pairs instead of supervised targets."""
+
+    # how strongly the model is held to its reference (the base it started from): higher stays closer
+    beta: Annotated[float, Field(gt=0, le=10)] = 0.1
+
+
 class ResolvedHyperparameters(Strict):
     n_epochs: int
     batch_size: int
@@ -125,6 +132,7 @@ class TrainingSpec(Strict):
     auto_budget_fraction: Annotated[float, Field(gt=0)] = 0.03
     seed: int = 42
     lora: Lora | None = None
+    dpo: Dpo | None = None  # None: supervised
     checkpoint_every_steps: Annotated[int, Field(ge=1)] | None = None
     min_checkpoint_seconds: Annotated[float, Field(ge=0)] = 0.0  # the service's floor (callbacks.py)
     resume_from: str | None = None
@@ -137,6 +145,8 @@ class TrainingSpec(Strict):
             raise ValueError(
                 "sequence-classification needs at least two distinct labels in the training file"
             )
+        if self.dpo is not None and self.task != "causal-lm":
+            raise ValueError("dpo trains a causal-lm")
         return self
 
     @classmethod

@@ -30,14 +30,23 @@ def accuracy(pred: Any) -> dict[str, float]:
 def training_arguments(
     spec: TrainingSpec, choice: BackendChoice, *, cuda: bool, has_eval: bool
 ) -> ORTTrainingArguments:
+    return ORTTrainingArguments(
+        use_ort=choice.used == "ort",
+        ort_optim=choice.ort_optim,
+        **common_arguments(spec, choice, cuda=cuda, has_eval=has_eval),
+    )
+
+
+def common_arguments(
+    spec: TrainingSpec, choice: BackendChoice, *, cuda: bool, has_eval: bool
+) -> dict[str, Any]:
+    """The TrainingArguments every method's trainer takes (ORTTrainer's, TRL's DPOConfig)."""
     hp = spec.hyperparameters
     every = spec.checkpoint_every_steps
     world = spec.distributed.world_size
     if hp.batch_size % world:
         raise SpecError(f"batch_size {hp.batch_size} does not split over {world} processes; use a multiple")
-    return ORTTrainingArguments(
-        use_ort=choice.used == "ort",
-        ort_optim=choice.ort_optim,
+    return dict(
         output_dir=str(Path(spec.output_dir) / "checkpoints"),
         per_device_train_batch_size=hp.batch_size // world,  # batch_size is the global batch
         per_device_eval_batch_size=max(hp.batch_size, 16),
@@ -73,7 +82,8 @@ def training_arguments(
         # The Trainer scales each rank's loss by the world size, assuming the model divides a summed loss
         # by the tokens of the whole global batch. The causal-LM losses do; a classifier's loss is already a
         # mean, and scaling it doubled the loss and the gradients on 2 processes (tests/test_distributed.py).
-        average_tokens_across_devices=spec.task == "causal-lm",
+        # So is DPO's (a mean over the pairs).
+        average_tokens_across_devices=spec.task == "causal-lm" and spec.dpo is None,
         ddp_timeout=spec.distributed_timeout_seconds,
         deepspeed=zero1_config(spec) if spec.distributed.strategy == "zero1" and world > 1 else None,
     )
@@ -106,7 +116,9 @@ def build(
     cuda: bool,
     ort_module: Any = None,
     stop: StopOnRequest | None = None,
-) -> ORTTrainer:
+) -> Any:
+    if spec.dpo is not None:
+        return _dpo_trainer(spec, choice, model, tokenizer, train, valid, events, cuda=cuda, stop=stop)
     args = training_arguments(spec, choice, cuda=cuda, has_eval=valid is not None)
     hp = spec.hyperparameters
     samples_per_step = hp.batch_size * hp.gradient_accumulation_steps
@@ -126,5 +138,49 @@ def build(
             EventCallback(events, samples_per_step, collator.padding_fraction),
             CheckpointPacing(spec.min_checkpoint_seconds, events),
             *([stop] if stop else []),  # after the pacing: a pause's checkpoint is always taken
+        ],
+    )
+
+
+def _dpo_trainer(
+    spec: TrainingSpec,
+    choice: BackendChoice,
+    model: Any,
+    tokenizer: Any,
+    train: TokenStore,
+    valid: TokenStore | None,
+    events: EventStream,
+    *,
+    cuda: bool,
+    stop: StopOnRequest | None,
+) -> Any:
+    """TRL's DPOTrainer over the preference stores (trainer_core/dpo.py)."""
+    from trl import DPOConfig
+
+    from trainer_core import dpo
+
+    assert spec.dpo is not None
+    hp = spec.hyperparameters
+    args = DPOConfig(
+        beta=spec.dpo.beta,
+        max_length=None,  # the store is cut at max_seq_length already, pairs whose answers were cut left out
+        precompute_ref_log_probs=False,
+        **common_arguments(spec, choice, cuda=cuda, has_eval=valid is not None),
+    )
+    stores = {"train": train} | ({"valid": valid} if valid is not None else {})
+    collator = dpo.PairCollator(tokenizer.pad_token_id, stores)
+    return dpo.trainer_class()(
+        model=model,
+        ref_model=dpo.reference(model),
+        args=args,
+        data_collator=collator,
+        train_dataset=dpo.index("train", train),
+        eval_dataset=dpo.index("valid", valid) if valid is not None else None,
+        processing_class=tokenizer,
+        train_sampler=BucketSampler(dpo.pair_lengths(train), hp.batch_size, spec.seed),
+        callbacks=[
+            EventCallback(events, hp.batch_size * hp.gradient_accumulation_steps, collator.padding_fraction),
+            CheckpointPacing(spec.min_checkpoint_seconds, events),
+            *([stop] if stop else []),
         ],
     )

@@ -27,6 +27,11 @@ SERIES = (
     "grad_norm",
     "samples_per_second",
     "padding_fraction",
+    "reward_margin",
+    "reward_accuracy",
+    "eval_reward_margin",
+    "eval_reward_accuracy",
+    "eval_preference_accuracy",
 )
 
 

@@ -49,6 +49,24 @@ def _file(session: Session, caller: Caller, file_id: str, param: str, task: str 
     return file
 
 
+def _check_method(req: JobCreate, train: File, task: str) -> None:
+    """The method and the training file's rows belong together: DPO learns from preference pairs only."""
+    method = req.method.type if req.method else "supervised"
+    if train.row_kind in rows.METHOD_KINDS[method]:
+        return
+    if method == "dpo":
+        message = (
+            f"method dpo trains on preference rows {rows.required_columns('dpo', by='method')}; "
+            f"file {train.id} holds {train.row_kind} rows"
+        )
+    else:
+        message = (
+            f"file {train.id} holds preference rows, which train with method dpo "
+            '({"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1}}})'
+        )
+    raise APIError(message, param="training_file", code="invalid_file")
+
+
 def create(
     session: Session, settings: Settings, caller: Caller, req: JobCreate, job_id: str | None = None
 ) -> Job:
@@ -77,6 +95,7 @@ def create(
             param="validation_file",
             code="invalid_file",
         )
+    _check_method(req, train, task)
     labels: list[Any] = list(train.labels or [])
     if task == "sequence-classification":
         if len(labels) < 2:
@@ -114,6 +133,12 @@ def create(
             "use backend auto or torch",
             param="backend",
         )
+    if req.dpo() is not None and req.backend == "ort":
+        raise APIError(
+            "backend ort does not train DPO (TRL's DPOTrainer runs a reference model beside the policy, "
+            "under PyTorch); use backend auto or torch",
+            param="backend",
+        )
     dist = req.distributed or Distributed()
     searching = req.hyperparameter_search is not None
     if dist.world_size > 1:
@@ -134,6 +159,7 @@ def create(
         distributed=dist,
         hyperparameter_search=req.hyperparameter_search,
         lora=req.lora(),
+        dpo=req.dpo(),
         base=base,
     )
     _check_length(spec, train.row_count or 0, settings.max_steps)

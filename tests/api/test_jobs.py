@@ -21,7 +21,7 @@ from ortune.db.repositories import ArtifactRepository, EventRepository, JobRepos
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from ortune.storage import open_store
-from tests.support import DEMO, upload, write_jsonl
+from tests.support import DEMO, preference_rows, upload, write_jsonl
 
 
 def create(client: TestClient, **body: Any) -> Any:
@@ -468,3 +468,63 @@ def test_a_lora_job_is_recorded_and_ort_is_refused_for_it(client: TestClient, tm
         client, model="tiny-gpt2", training_file=file["id"], method={"supervised": {"lora": {"r": 0}}}
     )
     assert bad.status_code == 422 and bad.json()["error"]["param"] == "method.supervised.lora.r"
+
+
+def test_a_dpo_job_is_recorded_and_its_rows_and_backend_are_checked(
+    client: TestClient, tmp_path: Path
+) -> None:
+    """method.type dpo in OpenAI's shape (beta among its hyperparameters) is stored and shown back; DPO
+    needs preference rows, preference rows need DPO, and backend ort is refused for it, each naming the
+    field."""
+    pairs = upload(client, write_jsonl(tmp_path / "pairs.jsonl", preference_rows(8))).json()
+    assert pairs["status"] == "processed" and pairs["row_kind"] == "preference", pairs
+    chat = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(8)
+    ]
+    chat_file = upload(client, write_jsonl(tmp_path / "chat.jsonl", chat)).json()
+    method = {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.25, "n_epochs": 2}, "lora": {"r": 4}}}
+    job = create(client, model="tiny-gpt2", training_file=pairs["id"], method=method)
+    assert job.status_code == 200, job.text
+    shown = job.json()["method"]
+    assert shown["type"] == "dpo" and shown["dpo"]["hyperparameters"]["beta"] == 0.25
+    assert shown["dpo"]["hyperparameters"]["n_epochs"] == 2 and shown["dpo"]["lora"]["r"] == 4
+    auto_beta = create(client, model="tiny-gpt2", training_file=pairs["id"], method={"type": "dpo"})
+    assert auto_beta.json()["method"]["dpo"]["hyperparameters"]["beta"] == 0.1
+
+    wrong_rows = create(client, model="tiny-gpt2", training_file=chat_file["id"], method=method)
+    assert wrong_rows.status_code == 400 and wrong_rows.json()["error"]["param"] == "training_file"
+    assert "method dpo trains on preference rows" in wrong_rows.json()["error"]["message"]
+    no_method = create(client, model="tiny-gpt2", training_file=pairs["id"])
+    assert no_method.status_code == 400 and "train with method dpo" in no_method.json()["error"]["message"]
+    ort = create(client, model="tiny-gpt2", training_file=pairs["id"], method=method, backend="ort")
+    assert ort.status_code == 400 and ort.json()["error"]["param"] == "backend"
+    mixed = create(
+        client, model="tiny-gpt2", training_file=pairs["id"], method={"type": "dpo", "supervised": {}}
+    )
+    assert mixed.status_code == 422 and "method.supervised given with method.type dpo" in mixed.text
+    beta = create(
+        client,
+        model="tiny-gpt2",
+        training_file=pairs["id"],
+        method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0}}},
+    )
+    assert beta.status_code == 422 and beta.json()["error"]["param"] == "method.dpo.hyperparameters.beta"
+    classifier = create(client, model="tiny-bert", training_file=pairs["id"], method=method)
+    assert classifier.status_code == 400 and classifier.json()["error"]["param"] == "model"
+
+
+def test_the_readmes_job_files_are_valid_requests() -> None:
+    """Every YAML job file the README shows is a request the API accepts as written (files and models
+    aside, which depend on the reader's own)."""
+    import re
+
+    import yaml
+
+    from api.schemas import JobCreate
+    from tests.support import ROOT
+
+    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert len(blocks) >= 3
+    for block in blocks:
+        JobCreate.model_validate(yaml.safe_load(block))

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from ortune.cli.client import Client
-from tests.support import DEMO
+from tests.support import DEMO, preference_rows, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -59,3 +59,33 @@ def test_openai_client_runs_a_job(service: Client, tmp_path: Path) -> None:
     cancelled = client.fine_tuning.jobs.cancel(long.id)
     assert cancelled.status == "cancelled" and cancelled.id == long.id
     assert client.fine_tuning.jobs.retrieve(long.id).status == "cancelled"
+
+
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_openai_client_creates_a_dpo_job_with_method(service: Client, tmp_path: Path) -> None:
+    """A DPO job as OpenAI documents it (`method={"type": "dpo", ...}`, preference rows) through the official
+    client: created, shown back in the client's own types, trained."""
+    client = openai.OpenAI(base_url=f"{service.http.base_url}/v1", api_key="unused", max_retries=0)
+    with write_jsonl(tmp_path / "pairs.jsonl", preference_rows(16)).open("rb") as fh:
+        file = client.files.create(file=fh, purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model="tiny-gpt2",
+        training_file=file.id,
+        method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.2, "n_epochs": 1, "batch_size": 8}}},
+    )
+    assert job.method is not None and job.method.type == "dpo"
+    assert job.method.dpo is not None and job.method.dpo.hyperparameters is not None
+    assert job.method.dpo.hyperparameters.beta == 0.2
+    deadline = time.monotonic() + 300
+    while (job := client.fine_tuning.jobs.retrieve(job.id)).status not in (
+        "succeeded",
+        "failed",
+        "cancelled",
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert job.status == "succeeded", job.error
+    assert any(
+        e.type == "metrics" and "reward_margin" in e.message
+        for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data
+    )

@@ -14,7 +14,7 @@ import pytest
 from ortune.cli import embedded
 from ortune.cli.client import Client
 from ortune.settings import Settings
-from tests.support import DEMO, TERMINAL, events, rows, wait_for, write_jsonl
+from tests.support import DEMO, TERMINAL, events, preference_rows, rows, wait_for, write_jsonl
 from trainer_core import precision
 
 pytestmark = pytest.mark.e2e
@@ -240,6 +240,36 @@ def test_a_lora_chat_job_end_to_end(service: Client, tmp_path: Path) -> None:
     with tarfile.open(tmp_path / "adapter.tar") as tar:
         names = {Path(n).name for n in tar.getnames()}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= names
+
+
+def test_a_dpo_job_end_to_end(service: Client, tmp_path: Path) -> None:
+    """method dpo through the API on preference pairs: the job succeeds, its events and charts carry the
+    reward margins and accuracies, the held-out pairs' preference accuracy rises, and the model downloads."""
+    train = service.upload(write_jsonl(tmp_path / "pairs.jsonl", preference_rows(48)))
+    held_out = service.upload(write_jsonl(tmp_path / "held-out.jsonl", preference_rows(12, held_out=True)))
+    job = service.create_job(
+        model="tiny-gpt2",
+        training_file=train["id"],
+        validation_file=held_out["id"],
+        method={
+            "type": "dpo",
+            "dpo": {"hyperparameters": {"beta": 0.1, "n_epochs": 3, "batch_size": 8, "learning_rate": 1e-2}},
+        },
+    )
+    done = wait_for(service, job["id"], TERMINAL)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["backend_used"] == "torch" and "DPO trains under PyTorch" in done["backend_reason"]
+    assert done["method"]["type"] == "dpo"
+    charts = service.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics")["data"]
+    assert {"reward_margin", "reward_accuracy", "eval_reward_accuracy", "eval_preference_accuracy"} <= set(
+        charts
+    )
+    preference = charts["eval_preference_accuracy"]["values"]
+    assert preference[-1] >= preference[0] + 0.3, preference
+    assert done["result"]["metrics"]["eval_reward_accuracy"] >= 0.9
+    assert any(e["type"] == "metrics" and "reward_margin" in e["message"] for e in events(service, job["id"]))
+    formats = {a["format"] for a in service.get(f"/v1/fine_tuning/jobs/{job['id']}/artifacts")}
+    assert formats == {"pytorch", "onnx"}
 
 
 @pytest.mark.parametrize("settings", ["embedded"], indirect=True)
