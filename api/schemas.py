@@ -101,6 +101,10 @@ class SupervisedMethod(BaseModel):
     lora: Lora | None = Field(
         default=None, description="Train a LoRA adapter (PEFT) instead of every weight."
     )
+    packing: bool = Field(
+        default=False,
+        description="Pack short causal-LM rows into full sequences; no row attends to another.",
+    )
 
 
 class DpoHyperparameters(Hyperparameters):
@@ -169,6 +173,9 @@ class JobCreate(BaseModel):
         options = self.method.options if self.method else None
         return options.lora if options else None
 
+    def packing(self) -> bool:
+        return bool(self.method and self.method.supervised and self.method.supervised.packing)
+
     def dpo(self) -> Dpo | None:
         """The DPO settings of a `method.type: dpo` job (beta resolved), None for supervised."""
         if self.method is None or self.method.type != "dpo":
@@ -201,6 +208,8 @@ def _method(spec: Any, hp: dict[str, Any]) -> dict[str, Any]:
     options: dict[str, Any] = {"hyperparameters": hp}
     if lora is not None:
         options["lora"] = lora.model_dump(mode="json")
+    if getattr(spec, "packing", False):
+        options["packing"] = True
     dpo = getattr(spec, "dpo", None)
     if dpo is not None:
         options["hyperparameters"] = hp | {"beta": dpo.beta}

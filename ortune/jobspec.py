@@ -47,6 +47,7 @@ class JobSpec(BaseModel):
     keep_checkpoints: int = 3  # the last N checkpoints are kept in storage, and the best one
     lora: Lora | None = None  # an adapter instead of full fine-tuning
     dpo: Dpo | None = None  # method dpo; None: supervised
+    packing: bool = False  # method.supervised.packing
     base: BaseModelRef | None = None  # continuing from an earlier job's model (`model: ft:...`)
     distributed: Distributed = Distributed()
     # As the user asked, with OpenAI's "auto" values shown resolved (the job's `hyperparameters` field)...
@@ -111,6 +112,7 @@ class JobSpec(BaseModel):
             "distributed": self.distributed,
             "lora": self.lora,
             "dpo": self.dpo,
+            "packing": self.packing,
         }
 
     @property

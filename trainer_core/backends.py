@@ -44,6 +44,11 @@ def ort_problem(spec: TrainingSpec, *, cuda: bool) -> str | None:
         )
     if spec.dpo is not None:
         return "DPO trains under PyTorch: TRL's DPOTrainer runs a reference model beside the policy"
+    if spec.packing:
+        return (
+            "packed sequences train under PyTorch: their attention mask is built from the position ids at "
+            "run time, which is not verified under ORTModule in ortune"
+        )
     if spec.lora is not None:
         return "a LoRA adapter trains under PyTorch: ORTModule over a PEFT model is not wired into ortune yet"
     if (unfit := _precision_problem(spec, cuda=cuda)) is not None:

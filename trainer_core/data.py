@@ -1,4 +1,5 @@
-"""How rows become batches: the length-bucketed sampler and the collator (chat rows: trainer_core.chat)."""
+"""How rows become batches: the length-bucketed sampler, the collator (chat rows: trainer_core.chat), and
+packing of short rows into full sequences."""
 
 from __future__ import annotations
 
@@ -84,3 +85,69 @@ class Collator:
                 labels[i, : len(b["labels"])] = torch.tensor(b["labels"])
             out["labels"] = labels
         return out
+
+
+def pack(lengths: np.ndarray, capacity: int) -> list[np.ndarray]:
+    """Rows grouped into sequences of at most `capacity` tokens: longest first, each filled up with the
+    shortest rows that still fit (a row longer than `capacity` cannot be: the store is cut at it). The same
+    lengths always give the same groups, so a resumed job trains on the sequences it started with."""
+    order = np.argsort(-lengths, kind="stable")
+    groups: list[np.ndarray] = []
+    lo, hi = 0, len(order) - 1
+    while lo <= hi:
+        group, room = [order[lo]], capacity - int(lengths[order[lo]])
+        lo += 1
+        while lo <= hi and lengths[order[hi]] <= room:
+            group.append(order[hi])
+            room -= int(lengths[order[hi]])
+            hi -= 1
+        groups.append(np.asarray(group, dtype=np.int64))
+    return groups
+
+
+class Packed(torch.utils.data.Dataset[dict[str, Any]]):
+    """A causal-LM store read as packed sequences: each item is several rows one after the other, with
+    `position_ids` starting again at 0 for each row. Given position ids and no attention mask, transformers
+    builds a block-diagonal causal mask from them (masking_utils.find_packed_sequence_indices), so no row
+    attends to another; the first token of each row carries no loss (it would be predicted from the row
+    before it)."""
+
+    def __init__(self, store: Any, capacity: int) -> None:
+        self.store = store
+        self.groups = pack(np.asarray(store.lengths), capacity)
+        self.lengths = np.array([int(store.lengths[g].sum()) for g in self.groups])
+        self.meta = store.meta
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        ids: list[int] = []
+        labels: list[int] = []
+        positions: list[int] = []
+        for row in self.groups[i]:
+            item = self.store[int(row)]
+            ids += item["input_ids"]
+            labels += [IGNORE, *item["labels"][1:]]
+            positions += range(len(item["input_ids"]))
+        return {"input_ids": ids, "labels": labels, "position_ids": positions}
+
+
+class PackedCollator(Collator):
+    """Pads packed sequences: the padding is a segment of its own (positions from 0, no loss), and there is
+    no attention mask, so the model takes the segments from the position ids."""
+
+    def __call__(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        width = max(len(b["input_ids"]) for b in batch)
+        self.real += sum(len(b["input_ids"]) for b in batch)
+        self.padded += width * len(batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+        positions = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, b in enumerate(batch):
+            n = len(b["input_ids"])
+            ids[i, :n] = torch.tensor(b["input_ids"])
+            labels[i, :n] = torch.tensor(b["labels"])
+            positions[i, :n] = torch.tensor(b["position_ids"])
+            positions[i, n:] = torch.arange(width - n)
+        return {"input_ids": ids, "labels": labels, "position_ids": positions}

@@ -153,6 +153,11 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     samples = (valid_set or train_set).meta.samples
     failed: dict[str, str] = {}
     parity: float | None = None
+    # ONNX is made from, and checked against, the PyTorch model as stored: not the trainer's copy, whose
+    # forward may still carry wrappers (a second mixed-precision wrap when the trainer prepared it twice, as
+    # DPO's did, left autocast in place, and its bf16 greedy decoding then disagreed with ONNX's)
+    del model
+    model = modeling.from_directory(out / "pytorch", spec.task)
     try:
         onnx = export.export_onnx(
             model,
@@ -161,6 +166,7 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
             samples,
             manifest,
             max_len=spec.hyperparameters.max_seq_length,
+            task=spec.task,
         )
         events.emit("artifact", format="onnx", path=str(out / "onnx"), manifest=onnx)
         parity = onnx["parity"]["max_abs_diff"]

@@ -177,6 +177,18 @@ def load(
     return loaded
 
 
+def from_directory(directory: Any, task: str) -> Any:
+    """A saved model (ours: safetensors, no remote code) in fp32 eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+    model = auto.from_pretrained(
+        directory, local_files_only=True, trust_remote_code=False, use_safetensors=True, dtype=torch.float32
+    )
+    return model.eval()
+
+
 def with_lora(model: Any, spec: TrainingSpec) -> Any:
     """The model with a LoRA adapter (PEFT): the base frozen, the adapter (and a classifier's new head,
     which PEFT keeps trainable for SEQ_CLS) trained."""

@@ -133,6 +133,7 @@ class TrainingSpec(Strict):
     seed: int = 42
     lora: Lora | None = None
     dpo: Dpo | None = None  # None: supervised
+    packing: bool = False  # short causal-LM rows packed into full sequences (data.Packed)
     checkpoint_every_steps: Annotated[int, Field(ge=1)] | None = None
     min_checkpoint_seconds: Annotated[float, Field(ge=0)] = 0.0  # the service's floor (callbacks.py)
     resume_from: str | None = None
@@ -147,6 +148,8 @@ class TrainingSpec(Strict):
             )
         if self.dpo is not None and self.task != "causal-lm":
             raise ValueError("dpo trains a causal-lm")
+        if self.packing and (self.task != "causal-lm" or self.dpo is not None):
+            raise ValueError("packing is for supervised causal-lm jobs")
         return self
 
     @classmethod

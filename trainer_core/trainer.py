@@ -9,7 +9,7 @@ import numpy as np
 
 from trainer_core.backends import BackendChoice
 from trainer_core.callbacks import CheckpointPacing, EventCallback, StopOnRequest
-from trainer_core.data import BucketSampler, Collator
+from trainer_core.data import BucketSampler, Collator, Packed, PackedCollator
 from trainer_core.datastore import TokenStore
 from trainer_core.events import EventStream
 from trainer_core.ort_trainer import ORTTrainer, ORTTrainingArguments
@@ -123,14 +123,17 @@ def build(
     hp = spec.hyperparameters
     samples_per_step = hp.batch_size * hp.gradient_accumulation_steps
     collator = Collator(tokenizer.pad_token_id, spec.task)
+    train_set: Any = train
+    if spec.packing:
+        train_set, collator = _packed(spec, train, tokenizer, events)
     # bucketed by the global batch: accelerate cuts each into the ranks' parts
-    sampler = BucketSampler(train.lengths, hp.batch_size, spec.seed)
+    sampler = BucketSampler(train_set.lengths, hp.batch_size, spec.seed)
     return ORTTrainer(
         ort_module=ort_module,
         train_sampler=sampler,
         model=model,
         args=args,
-        train_dataset=train,
+        train_dataset=train_set,
         eval_dataset=valid,
         data_collator=collator,
         compute_metrics=accuracy if spec.task == "sequence-classification" else None,
@@ -140,6 +143,26 @@ def build(
             *([stop] if stop else []),  # after the pacing: a pause's checkpoint is always taken
         ],
     )
+
+
+def _packed(
+    spec: TrainingSpec, train: TokenStore, tokenizer: Any, events: EventStream
+) -> tuple[Packed, Collator]:
+    """The training rows packed into sequences up to the job's length (evaluation stays unpacked, so its
+    loss reads as any other job's)."""
+    from trainer_core.prepare import seq_limit
+
+    capacity = seq_limit(spec, tokenizer)
+    packed = Packed(train, capacity)
+    fill = float(packed.lengths.sum()) / max(1, len(packed) * capacity)
+    events.message(
+        f"packed {len(train):,} rows into {len(packed):,} sequences of up to {capacity} tokens "
+        f"({fill:.0%} full)",
+        rows=len(train),
+        sequences=len(packed),
+        fill=round(fill, 4),
+    )
+    return packed, PackedCollator(tokenizer.pad_token_id, spec.task)
 
 
 def _dpo_trainer(

@@ -133,6 +133,16 @@ def create(
             "use backend auto or torch",
             param="backend",
         )
+    if req.packing() and task != "causal-lm":
+        raise APIError(
+            f"packing joins causal-LM rows into full sequences; a {task} job has nothing to pack",
+            param="method.supervised.packing",
+        )
+    if req.packing() and req.backend == "ort":
+        raise APIError(
+            "backend ort does not train packed sequences yet; use backend auto or torch",
+            param="backend",
+        )
     if req.dpo() is not None and req.backend == "ort":
         raise APIError(
             "backend ort does not train DPO (TRL's DPOTrainer runs a reference model beside the policy, "
@@ -160,6 +170,7 @@ def create(
         hyperparameter_search=req.hyperparameter_search,
         lora=req.lora(),
         dpo=req.dpo(),
+        packing=req.packing(),
         base=base,
     )
     _check_length(spec, train.row_count or 0, settings.max_steps)

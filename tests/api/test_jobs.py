@@ -528,3 +528,20 @@ def test_the_readmes_job_files_are_valid_requests() -> None:
     assert len(blocks) >= 3
     for block in blocks:
         JobCreate.model_validate(yaml.safe_load(block))
+
+
+def test_packing_is_shown_back_and_refused_where_there_is_nothing_to_pack(
+    client: TestClient, tmp_path: Path
+) -> None:
+    texts = upload(
+        client, write_jsonl(tmp_path / "lm.jsonl", [{"text": f"row {i}"} for i in range(8)])
+    ).json()
+    method = {"type": "supervised", "supervised": {"packing": True}}
+    job = create(client, model="tiny-gpt2", training_file=texts["id"], method=method)
+    assert job.status_code == 200 and job.json()["method"]["supervised"]["packing"] is True
+    labelled = upload(client, DEMO / "sentiment_valid.jsonl").json()
+    classifier = create(client, model="tiny-bert", training_file=labelled["id"], method=method)
+    assert classifier.status_code == 400
+    assert classifier.json()["error"]["param"] == "method.supervised.packing"
+    ort = create(client, model="tiny-gpt2", training_file=texts["id"], method=method, backend="ort")
+    assert ort.status_code == 400 and ort.json()["error"]["param"] == "backend"

@@ -564,3 +564,123 @@ def prepare_text(row: dict[str, Any]) -> str:
     from trainer_core import prepare
 
     return prepare._text(row)
+
+
+@pytest.mark.parametrize("shape", ["llama", "qwen2", "gpt2"])
+def test_a_causal_lm_exports_with_its_kv_cache_and_generates_pytorchs_tokens(
+    tmp_path: Path, shape: str
+) -> None:
+    """The ONNX decoder takes and returns the KV cache in the layout ONNX Runtime's generation tooling reads
+    (genai_config.json names it); decoding with it token by token gives PyTorch's greedy tokens, recorded in
+    the manifest; a divergence fails the export with the prompt and the tokens."""
+    import onnxruntime as ort
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from trainer_core import export, modeling
+
+    texts = [f"the {w} jumps over the lazy {v} again and again" for w in "abcd" for v in "wxyz"]
+    tokenizer = modeling.train_tokenizer("tiny-gpt2", texts * 5)
+    if shape == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2))
+    else:
+        tiny_causal_lm(tmp_path / "base", tokenizer, shape)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    manifest = export.export_onnx(
+        model, tokenizer, tmp_path / "onnx", texts, {}, max_len=64, task="causal-lm"
+    )
+    assert manifest["kv_cache"] is True and manifest["outputs"][:2] == ["logits", "present.0.key"]
+    greedy = manifest["greedy_parity"]
+    assert greedy["prompts"] == 4 and greedy["identical"] + greedy["ties"] == 4 and greedy["diverged"] == []
+    genai = json.loads((tmp_path / "onnx" / "genai_config.json").read_text())["model"]["decoder"]
+    assert genai["inputs"]["past_key_names"] == "past_key_values.%d.key" and genai["num_hidden_layers"] == 2
+    session = ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx"))
+    past = {i.name: i.shape for i in session.get_inputs() if i.name.startswith("past_key_values.")}
+    assert len(past) == 4 and all(s[2] == "past_sequence" for s in past.values())
+
+    def off_by_one(session: Any, shape: Any, prompt: list[int], n: int) -> list[int]:
+        return [(t + 1) % len(tokenizer) for t in real(session, shape, prompt, n)]
+
+    real = export._onnx_greedy
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(export, "_onnx_greedy", off_by_one)
+        with pytest.raises(export.ExportError, match="greedy generation differs from PyTorch's on 4 of 4"):
+            export.export_onnx(model, tokenizer, tmp_path / "onnx2", texts, {}, max_len=64, task="causal-lm")
+
+
+@pytest.mark.parametrize("shape", ["llama", "qwen2", "gpt2"])
+def test_packed_rows_do_not_see_each_other(tmp_path: Path, shape: str) -> None:
+    """Three rows packed into one sequence (and a padded second sequence) give every row exactly the logits
+    it has alone, and the loss of the rows alone: no row attends to another, and no row's first token is
+    predicted from the row before it."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    from trainer_core import data, modeling
+
+    texts = ["one two three four five", "six seven", "eight nine ten eleven", "twelve"]
+    tokenizer = modeling.train_tokenizer("tiny-gpt2", texts * 20)
+    if shape == "gpt2":
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2)).eval()
+    else:
+        tiny_causal_lm(tmp_path / "base", tokenizer, shape)
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    rows = [tokenizer(t)["input_ids"] for t in texts]
+
+    class Store:
+        lengths = np.array([len(r) for r in rows])
+        meta = None
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return {"input_ids": rows[i], "labels": rows[i]}
+
+    packed = data.Packed(Store(), capacity=int(Store.lengths[:3].sum()))
+    assert sorted(r for g in packed.groups for r in g.tolist()) == [0, 1, 2, 3]
+    assert max(len(g) for g in packed.groups) >= 3 and len(packed) == 2
+    batch = data.PackedCollator(0, "causal-lm")([packed[i] for i in range(len(packed))])
+    assert "attention_mask" not in batch
+    with torch.no_grad():
+        out = model(**batch, use_cache=False)  # as in training (modeling.load): a cache hides the packing
+        together = out.logits
+        alone = [model(input_ids=torch.tensor([r])).logits[0] for r in rows]
+        losses = [model(input_ids=torch.tensor([r]), labels=torch.tensor([r])) for r in rows]
+    for b, group in enumerate(packed.groups):
+        start = 0
+        for row in group.tolist():
+            n = len(rows[row])
+            torch.testing.assert_close(together[b, start : start + n], alone[row], atol=1e-5, rtol=1e-4)
+            start += n
+    # the mean over every row's predicted tokens, as the packed batch's own loss counts them
+    tokens = sum(len(r) - 1 for r in rows)
+    want = sum(float(x.loss) * (len(r) - 1) for x, r in zip(losses, rows, strict=True) if len(r) > 1) / tokens
+    assert float(out.loss) == pytest.approx(want, rel=1e-4)
+
+
+def test_a_packed_job_trains_on_fewer_fuller_sequences(tmp_path: Path) -> None:
+    """packing on short prompt/completion rows: the job says how many sequences its rows became, trains
+    that many (fewer steps than unpacked), the loss falls, and the backend says why PyTorch."""
+    items = [{"prompt": f"{a} plus {b} is", "completion": f" {a + b}"} for a in range(8) for b in range(8)]
+    spec = TrainingSpec(
+        job_id="ftjob-packed",
+        task="causal-lm",
+        model="tiny-gpt2",
+        train_file=str(write_jsonl(tmp_path / "sums.jsonl", items)),
+        output_dir=str(tmp_path / "out"),
+        hyperparameters=Hyperparameters(
+            n_epochs=4, batch_size=4, learning_rate=3e-3, max_seq_length=64
+        ).resolved(64, "causal-lm"),
+        packing=True,
+    )
+    code, events, stderr = launch_trainer(spec, tmp_path / "spec.json")
+    assert code == 0, stderr
+    packed = next(e for e in events if e["type"] == "message" and e["message"].startswith("packed 64 rows"))
+    sequences = packed["data"]["sequences"]
+    assert sequences <= 64 // 8 and packed["data"]["fill"] > 0.8, packed
+    assert events[-1]["steps"] == 4 * -(-sequences // 4)  # epochs x batches of packed sequences
+    backend = next(e for e in events if e["type"] == "backend")
+    assert backend["used"] == "torch" and "packed sequences train under PyTorch" in backend["reason"]
+    losses = [e["train_loss"] for e in events if e["type"] == "metrics" and "train_loss" in e]
+    assert losses[-1] < losses[0]
