@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,7 @@ class Meta:
     samples: list[str]
     has_tokenizer: bool
     dropped: int = 0  # rows left out: max_seq_length cut every token that carried their loss
+    dropped_lines: list[int] = field(default_factory=list)  # the file lines of the first of them
 
     @classmethod
     def read(cls, store: Path) -> Meta:
@@ -135,6 +136,7 @@ class StoreWriter:
         self._loss = (path / "loss.u8").open("wb") if task != "sequence-classification" else None
         self._offsets.write(np.zeros(1, np.int64).tobytes())
         self.rows = self.tokens = self.longest = self.dropped = 0
+        self.dropped_lines: list[int] = []
         self.samples: list[str] = []
 
     def add(
@@ -171,6 +173,7 @@ class StoreWriter:
             self.samples,
             has_tokenizer,
             self.dropped,
+            self.dropped_lines,
         )
         (self.path / "meta.json").write_text(json.dumps(meta.__dict__))  # written last: a store is whole
         return meta

@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from trainer_core.spec import TrainingSpec
 BATCH = 2048
 TOKENIZER_ROWS = 100_000  # a built model's tokenizer learns its vocabulary from the first rows only
 PROGRESS_EVERY_S = 1.0
+DROPPED_LINES = 10  # the lines of left-out rows a store remembers, to name them
 
 
 def _text(row: dict[str, Any]) -> str:
@@ -121,8 +122,9 @@ def _build(
     t0 = last = time.monotonic()
     cpu0 = time.process_time()
     with path.open(encoding="utf-8", newline="") as fh:
-        stream = (row for _, row in rows.iter_rows(fh, fmt) if not isinstance(row, rows.RowError))
-        for batch in datastore.batched(stream, BATCH):
+        stream = (item for item in rows.iter_rows(fh, fmt) if not isinstance(item[1], rows.RowError))
+        for numbered in datastore.batched(stream, BATCH):
+            batch = [row for _, row in numbered]
             ids, targets, loss = _encode(batch, tokenizer, spec)
             texts = [_text(r) for r in batch[:8]]
             if loss is not None:  # a row whose every loss token was cut would train on nothing (a 0/0 loss)
@@ -134,6 +136,12 @@ def _build(
                     for k in range(unit)
                 ]
                 writer.dropped += (len(targets) - len(keep)) // unit
+                cut = [
+                    numbered[n // unit][0]
+                    for n in range(0, len(targets), unit)
+                    if not all(targets[n : n + unit])
+                ]
+                writer.dropped_lines += cut[: DROPPED_LINES - len(writer.dropped_lines)]
                 ids, targets, loss = (
                     [ids[n] for n in keep],
                     [targets[n] for n in keep],
@@ -155,15 +163,38 @@ def _build(
         cpu_seconds=round(time.process_time() - cpu0, 3),  # over `seconds`: how many cores it kept busy
         store=key,
     )
-    if meta.dropped:
-        limit = seq_limit(spec, tokenizer)
-        cut = (
-            f"{meta.dropped:,} {what} {rows_word} were left out: max_seq_length {limit} cut every token "
-            "that carried their loss (their assistant turns, or completion)"
+    if meta.dropped and meta.rows and spec.hyperparameters.truncated_rows == "drop":
+        events.message(
+            f"{_truncated(meta, spec, tokenizer, what, rows_word)}; raise max_seq_length to train on them",
+            level="warn",
+            dropped=meta.dropped,
+            lines=meta.dropped_lines,
         )
-        if not meta.rows:
-            raise ValueError(f"{cut}, which was all of them; raise max_seq_length")
-        events.message(f"{cut}; raise max_seq_length to train on them", level="warn", dropped=meta.dropped)
+
+
+def _truncated(meta: datastore.Meta, spec: TrainingSpec, tokenizer: Any, what: str, rows_word: str) -> str:
+    lines = ", ".join(map(str, meta.dropped_lines)) + (
+        ", ..." if meta.dropped > len(meta.dropped_lines) else ""
+    )
+    return (
+        f"{meta.dropped:,} {what} {rows_word} (line {lines}) were left out: max_seq_length "
+        f"{seq_limit(spec, tokenizer)} cut every token that carried their loss (their assistant turns, or "
+        "completion)"
+    )
+
+
+def check_truncation(store: TokenStore, spec: TrainingSpec, tokenizer: Callable[[], Any], what: str) -> None:
+    """A store's left-out rows against the job's policy: a file that truncation emptied is always refused,
+    any left-out row when `truncated_rows` is "refuse". Checked on every open, cached stores too."""
+    meta = store.meta
+    if not meta.dropped:
+        return
+    rows_word = "pairs" if spec.dpo is not None else "rows"
+    cut = _truncated(meta, spec, tokenizer(), what, rows_word)
+    if not meta.rows:
+        raise ValueError(f"{cut}, which was all of them; raise max_seq_length")
+    if spec.hyperparameters.truncated_rows == "refuse":
+        raise ValueError(f"{cut}; truncated_rows is refuse: raise max_seq_length or shorten them")
 
 
 def _progress(events: EventStream, what: str, done: int, total: int | None, rate: float) -> None:
@@ -206,6 +237,7 @@ def ensure(spec: TrainingSpec, events: EventStream) -> tuple[TokenStore, TokenSt
         else:
             tokenizer = None
     train = TokenStore(train_dir)
+    check_truncation(train, spec, lambda: tokenizer or load_tokenizer(spec, train), "training")
     valid = None
     if spec.validation_store is not None and spec.validation_file is not None:
         valid_dir = Path(spec.validation_store)
@@ -226,6 +258,7 @@ def ensure(spec: TrainingSpec, events: EventStream) -> tuple[TokenStore, TokenSt
                     has_tokenizer=False,
                 )
         valid = TokenStore(valid_dir)
+        check_truncation(valid, spec, lambda: tokenizer or load_tokenizer(spec, train), "validation")
     return train, valid
 
 

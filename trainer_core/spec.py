@@ -41,6 +41,9 @@ class Hyperparameters(Strict):
     # Recompute activations in the backward pass instead of keeping them: less memory for long sequences,
     # about a third more compute.
     gradient_checkpointing: bool = False
+    # A causal-LM row whose every loss token max_seq_length cuts is left out and named in a warning
+    # ("drop"), or fails the job naming its lines ("refuse"). A file of nothing else always fails.
+    truncated_rows: Literal["drop", "refuse"] = "drop"
 
     def resolved(self, n_rows: int, task: str = "sequence-classification") -> ResolvedHyperparameters:
         batch = self.batch_size if self.batch_size != "auto" else max(1, min(16, n_rows // 8 or 1))
@@ -58,6 +61,7 @@ class Hyperparameters(Strict):
             eval_every_steps=self.eval_every_steps,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             gradient_checkpointing=self.gradient_checkpointing,
+            truncated_rows=self.truncated_rows,
         )
 
 
@@ -91,6 +95,7 @@ class ResolvedHyperparameters(Strict):
     eval_every_steps: int | None
     gradient_accumulation_steps: int
     gradient_checkpointing: bool = False
+    truncated_rows: Literal["drop", "refuse"] = "drop"
 
 
 class Distributed(Strict):

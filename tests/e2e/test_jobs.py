@@ -311,3 +311,21 @@ def test_a_job_continued_from_a_fine_tuned_model_starts_from_its_weights(
 
     a, b = losses(first["id"]), losses(second["id"])
     assert b[0] < (a[0] + sum(a[-5:]) / 5) / 2, (a[:3], a[-5:], b)
+
+
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+def test_truncated_rows_refuse_fails_the_job_naming_the_lines(service: Client, tmp_path: Path) -> None:
+    """hyperparameters.truncated_rows: refuse: rows whose reply max_seq_length would cut away fail the job
+    at tokenizing, with the lines named, instead of being left out."""
+    chat = [
+        {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]}
+        for i in range(6)
+    ]
+    long = {"messages": [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "ok"}]}
+    train = service.upload(write_jsonl(tmp_path / "chat.jsonl", [*chat, long, long]))
+    hp = {"max_steps": 2, "batch_size": 4, "max_seq_length": 24, "truncated_rows": "refuse"}
+    job = service.create_job(model="tiny-gpt2", training_file=train["id"], hyperparameters=hp)
+    done = wait_for(service, job["id"], TERMINAL)
+    assert done["status"] == "failed"
+    assert "2 training rows (line 7, 8) were left out" in done["error"]["message"], done["error"]
+    assert "truncated_rows is refuse" in done["error"]["message"]

@@ -219,9 +219,17 @@ def test_rows_truncated_to_no_loss_are_left_out_and_said(tmp_path: Path) -> None
     assert all(any(c != IGNORE for c in train[i]["labels"]) for i in range(len(train)))
     warn = next(e for e in said if "were left out" in e.get("message", ""))
     assert (
-        "3 training rows were left out: max_seq_length 48 cut every token that carried their loss"
-        in warn["message"]
+        "3 training rows (line 7, 8, 9) were left out: max_seq_length 48 cut every token that carried "
+        "their loss" in warn["message"]
     )
+    # truncated_rows: refuse fails the job on the same store (cached: it is checked on every open)
+    refuse = spec.model_copy(
+        update={"hyperparameters": spec.hyperparameters.model_copy(update={"truncated_rows": "refuse"})}
+    )
+    with (tmp_path / "events3").open("w") as out, pytest.raises(ValueError) as refused:
+        prepare.ensure(refuse, EventStream(out))
+    assert "3 training rows (line 7, 8, 9) were left out" in str(refused.value)
+    assert "truncated_rows is refuse: raise max_seq_length or shorten them" in str(refused.value)
 
     (tmp_path / "b").mkdir()
     only_long = spec_for(tmp_path / "b", "causal-lm", long * 4)
