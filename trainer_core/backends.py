@@ -49,8 +49,6 @@ def ort_problem(spec: TrainingSpec, *, cuda: bool) -> str | None:
             "packed sequences train under PyTorch: their attention mask is built from the position ids at "
             "run time, which is not verified under ORTModule in ortune"
         )
-    if spec.lora is not None:
-        return "a LoRA adapter trains under PyTorch: ORTModule over a PEFT model is not wired into ortune yet"
     if (unfit := _precision_problem(spec, cuda=cuda)) is not None:
         return unfit
     from trainer_core import ort_setup

@@ -127,12 +127,6 @@ def create(
             param="hyperparameters.max_steps",
             code="limit_exceeded",
         )
-    if req.lora() is not None and req.backend == "ort":
-        raise APIError(
-            "backend ort does not train LoRA adapters yet (ORTModule over a PEFT model is not wired in); "
-            "use backend auto or torch",
-            param="backend",
-        )
     if req.packing() and task != "causal-lm":
         raise APIError(
             f"packing joins causal-LM rows into full sequences; a {task} job has nothing to pack",

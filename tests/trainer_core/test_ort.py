@@ -16,7 +16,7 @@ from tests.support import ROOT, launch_trainer, rows, write_jsonl
 from trainer_core import backends, modeling, ort_trainer, prepare, registry, trainer
 from trainer_core.events import EventStream
 from trainer_core.launch import with_stores
-from trainer_core.spec import Hyperparameters, TrainingSpec
+from trainer_core.spec import Hyperparameters, Lora, TrainingSpec
 
 BROKEN_ORT = """
 import importlib.abc, sys
@@ -55,12 +55,14 @@ def spec_for(tmp: Path, **kw: Any) -> TrainingSpec:
     return TrainingSpec(**(base | kw))
 
 
-def losses_with(backend: str, tmp: Path) -> tuple[list[float], Any]:
+def losses_with(backend: str, tmp: Path, lora: bool = False) -> tuple[list[float], Any]:
     """Train through the real ORTTrainer with dropout off: what is left to differ is the engine."""
     # lr 1e-4: Adam's normalised update turns rounding-level gradient differences into parameter moves of
     # up to +-lr, so a smaller lr keeps the engines' drift small relative to the tolerance below.
     hp = Hyperparameters(max_steps=6, batch_size=8, learning_rate=1e-4).resolved(48)
-    spec = spec_for(tmp, backend=backend, hyperparameters=hp)
+    spec = spec_for(
+        tmp, backend=backend, hyperparameters=hp, lora=Lora(r=4, alpha=8, dropout=0.0) if lora else None
+    )
     choice = backends.choose(spec, cuda=False)
     torch.manual_seed(spec.seed)
     spec = with_stores(spec.model_copy(update={"output_dir": str(tmp / backend / "out")}))
@@ -90,11 +92,13 @@ def losses_with(backend: str, tmp: Path) -> tuple[list[float], Any]:
     return [h["loss"] for h in hf.state.log_history if "loss" in h], hf
 
 
-def parity_probe(tmp: str) -> dict[str, Any]:
+def parity_probe(tmp: str, lora: bool = False) -> dict[str, Any]:
     """Both trainings in one fresh process, so no earlier test's global torch state can leak in."""
-    torch_losses, _ = losses_with("torch", Path(tmp))
-    ort_losses, hf = losses_with("ort", Path(tmp))
+    torch_losses, _ = losses_with("torch", Path(tmp), lora)
+    ort_losses, hf = losses_with("ort", Path(tmp), lora)
+    trained = [n for n, p in hf.plain_model.named_parameters() if p.requires_grad]
     return {
+        "trained": trained,
         "torch": torch_losses,
         "ort": ort_losses,
         "nodes": ort_trainer.training_graph_nodes(hf.ort_module),
@@ -103,9 +107,11 @@ def parity_probe(tmp: str) -> dict[str, Any]:
     }
 
 
-def test_ort_matches_pytorch_losses_and_really_ran(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_ort_matches_pytorch_losses_and_really_ran(tmp_path: Path, lora: bool) -> None:
+    """Full fine-tuning, and a LoRA adapter: ORTModule over the PEFT model, the base frozen."""
     code = "import json; from tests.trainer_core.test_ort import parity_probe; "
-    code += f"print(json.dumps(parity_probe({str(tmp_path)!r})))"
+    code += f"print(json.dumps(parity_probe({str(tmp_path)!r}, {lora})))"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
@@ -121,6 +127,8 @@ def test_ort_matches_pytorch_losses_and_really_ran(tmp_path: Path) -> None:
     assert ort_losses[-1] != ort_losses[0]  # it trained
     assert probe["module"] == "ORTModule" and probe["nodes"] > 50
     assert probe["policy"] == "FALLBACK_DISABLE"
+    if lora:  # the adapter and the new classifier head (PEFT keeps it trainable), nothing of the base
+        assert probe["trained"] and all("lora_" in n or "classifier" in n for n in probe["trained"])
 
 
 def test_launch_with_ort_records_the_proof_and_exports(tmp_path: Path) -> None:
@@ -135,8 +143,12 @@ def test_launch_with_ort_records_the_proof_and_exports(tmp_path: Path) -> None:
     assert manifest["backend_used"] == "ort"
 
 
-def test_auto_measures_both_in_interleaved_rounds_and_keeps_ort_only_by_a_margin(tmp_path: Path) -> None:
-    spec = spec_for(tmp_path, backend="auto", auto_budget_fraction=1000.0)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_auto_measures_both_in_interleaved_rounds_and_keeps_ort_only_by_a_margin(
+    tmp_path: Path, lora: bool
+) -> None:
+    adapter = Lora(r=4, alpha=8, dropout=0.0) if lora else None
+    spec = spec_for(tmp_path, backend="auto", auto_budget_fraction=1000.0, lora=adapter)
     code, events, _ = launch_trainer(spec, tmp_path / "spec.json")
     assert code == 0, events[-1]
     backend = next(e for e in events if e["type"] == "backend")

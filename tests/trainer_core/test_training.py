@@ -431,8 +431,8 @@ def test_ranks_vote_together_and_replicas_that_trained_apart_are_caught(
 
 
 def test_a_lora_job_trains_an_adapter_that_on_its_base_gives_the_merged_models_logits(tmp_path: Path) -> None:
-    """LoRA on a local Llama-shaped base: only the adapter trains (the backend says why not ORT), the loss
-    falls, and three artifacts come out: the adapter, the merged model (`pytorch`) and its ONNX. The
+    """LoRA on a local Llama-shaped base, trained by ORTModule over the PEFT model: only the adapter trains,
+    the loss falls, and three artifacts come out: the adapter, the merged model (`pytorch`) and its ONNX. The
     adapter loaded on the base with PEFT gives the merged model's logits."""
     import torch
     from peft import PeftModel
@@ -462,12 +462,13 @@ def test_a_lora_job_trains_an_adapter_that_on_its_base_gives_the_merged_models_l
             max_steps=12, batch_size=8, learning_rate=5e-3, max_seq_length=64
         ).resolved(32, "causal-lm"),
         lora=Lora(r=4, alpha=8, dropout=0.0),
-        precision="fp32",  # in bf16 ORT is out on CPU for that reason first
+        backend="ort",  # ORTModule over the PEFT model
+        precision="fp32",  # ORT training on CPU is fp32
     )
     code, events, stderr = launch_trainer(spec, tmp_path / "spec.json")
     assert code == 0, stderr
     backend = next(e for e in events if e["type"] == "backend")
-    assert backend["used"] == "torch" and "LoRA adapter trains under PyTorch" in backend["reason"]
+    assert backend["used"] == "ort" and events[-1]["metrics"]["ort_training_graph_nodes"] > 50
     formats = {e["format"]: e["manifest"] for e in events if e["type"] == "artifact"}
     assert list(formats) == ["adapter", "pytorch", "onnx"]
     assert 0 < formats["adapter"]["trainable_parameters"] < formats["adapter"]["total_parameters"] / 5
