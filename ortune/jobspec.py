@@ -25,13 +25,15 @@ from trainer_core.spec import (
 
 
 class BaseModelRef(BaseModel):
-    """The stored model an `ft:` job continues from: an earlier job's merged PyTorch artifact."""
+    """The stored model an `ft:` job continues from: an earlier job's merged PyTorch artifact, or one of its
+    checkpoints (`ft:...:ckpt-step-N`, whose archive holds `checkpoint-N/` with weights and tokenizer)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     job_id: str
     object_key: str
     sha256: str
+    checkpoint_step: int | None = None
 
 
 class JobSpec(BaseModel):

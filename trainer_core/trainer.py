@@ -136,6 +136,8 @@ def build(
         train_dataset=train_set,
         eval_dataset=valid,
         data_collator=collator,
+        # saved into every checkpoint: a checkpoint is then a model a later job can start from
+        processing_class=tokenizer,
         compute_metrics=accuracy if spec.task == "sequence-classification" else None,
         callbacks=[
             EventCallback(events, samples_per_step, collator.padding_fraction),

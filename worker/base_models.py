@@ -13,6 +13,8 @@ from ortune.settings import Settings
 from ortune.storage import ObjectNotFound, ObjectStore, sha256_file
 from trainer_core import registry
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt")
+
 
 class BaseModelUnavailable(RuntimeError):
     """The fine-tuned model a job continues from cannot be had (deleted, or not the bytes recorded)."""
@@ -23,9 +25,18 @@ def resolve(settings: Settings, store: ObjectStore, job: Job) -> registry.ModelI
     if base is None:
         return registry.resolve(job.model, settings.models_dir)
     home = settings.cache_dir / "models" / base.sha256
-    if not (home / "pytorch" / "config.json").is_file():
+    # a merged artifact unpacks to pytorch/, a checkpoint archive to checkpoint-N/
+    model_dir = home / ("pytorch" if base.checkpoint_step is None else f"checkpoint-{base.checkpoint_step}")
+    if not (model_dir / "config.json").is_file():
         _fetch(store, base.object_key, base.sha256, home)
-    return registry.ModelInfo(job.model, "local", home / "pytorch", (job.spec.task,))
+    if not (model_dir / "config.json").is_file():
+        raise BaseModelUnavailable(f"the base model's archive {base.object_key} holds no {model_dir.name}/")
+    if base.checkpoint_step is not None and not any((model_dir / n).is_file() for n in TOKENIZER_FILES):
+        raise BaseModelUnavailable(
+            f"checkpoint {base.checkpoint_step} of {base.job_id} holds no tokenizer (it was stored before "
+            "checkpoints carried one); continue from the job's fine_tuned_model"
+        )
+    return registry.ModelInfo(job.model, "local", model_dir, (job.spec.task,))
 
 
 def _fetch(store: ObjectStore, key: str, sha256: str, home: Path) -> None:

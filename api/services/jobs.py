@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 from typing import Any
 
@@ -16,6 +17,7 @@ from ortune.db.base import new_id
 from ortune.db.models import File, FileStatus, Job, JobStatus, Tenant
 from ortune.db.repositories import (
     ArtifactRepository,
+    CheckpointRepository,
     EventRepository,
     FileRepository,
     JobRepository,
@@ -201,15 +203,43 @@ def create(
     return job
 
 
+CHECKPOINT_NAME = re.compile(r"^ft:.*:(?P<job>[^:]+):ckpt-step-(?P<step>\d+)$")
+
+
 def _fine_tuned_base(
     session: Session, caller: Caller, name: str
 ) -> tuple[registry.ModelInfo, Job, BaseModelRef]:
-    """An earlier job's fine-tuned model, of this tenant, with its merged PyTorch model stored."""
+    """An earlier job's fine-tuned model, of this tenant, with its merged PyTorch model stored; or one of its
+    checkpoints by the name the checkpoints list gives it."""
+    if (named := CHECKPOINT_NAME.match(name)) is not None:
+        return _checkpoint_base(session, caller, name, named["job"], int(named["step"]))
     job = JobRepository(session).by_fine_tuned_model(caller.tenant_id, name)
     artifact = ArtifactRepository(session).get(job.id, "pytorch") if job is not None else None
     if job is None or job.status != JobStatus.succeeded or artifact is None:
         raise NotFound(f"no fine-tuned model with id {name!r}", param="model", code="model_not_found")
     ref = BaseModelRef(job_id=job.id, object_key=artifact.object_key, sha256=artifact.sha256)
+    return registry.ModelInfo(name, "local", None, (job.task,)), job, ref
+
+
+def _checkpoint_base(
+    session: Session, caller: Caller, name: str, job_id: str, step: int
+) -> tuple[registry.ModelInfo, Job, BaseModelRef]:
+    job = JobRepository(session).get(job_id)
+    checkpoint = CheckpointRepository(session).at(job_id, step) if job is not None else None
+    if job is None or job.tenant_id != caller.tenant_id or checkpoint is None:
+        raise NotFound(
+            f"no fine-tuned model checkpoint with id {name!r}", param="model", code="model_not_found"
+        )
+    if job.spec.lora is not None:
+        raise APIError(
+            f"{name} is a LoRA job's checkpoint, which holds the adapter alone; continue from the job's "
+            "fine_tuned_model (the adapter merged into its base)",
+            param="model",
+            code="unsupported_base",
+        )
+    ref = BaseModelRef(
+        job_id=job.id, object_key=checkpoint.object_key, sha256=checkpoint.sha256, checkpoint_step=step
+    )
     return registry.ModelInfo(name, "local", None, (job.task,)), job, ref
 
 

@@ -17,7 +17,13 @@ from pydantic import SecretStr
 from api.services.artifacts import readahead
 from ortune import lifecycle
 from ortune.db.models import Artifact
-from ortune.db.repositories import ArtifactRepository, EventRepository, JobRepository, MetricRepository
+from ortune.db.repositories import (
+    ArtifactRepository,
+    EventRepository,
+    JobRepository,
+    MetricRepository,
+    TenantRepository,
+)
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from ortune.storage import open_store
@@ -545,3 +551,46 @@ def test_packing_is_shown_back_and_refused_where_there_is_nothing_to_pack(
     assert classifier.json()["error"]["param"] == "method.supervised.packing"
     ort = create(client, model="tiny-gpt2", training_file=texts["id"], method=method, backend="ort")
     assert ort.status_code == 400 and ort.json()["error"]["param"] == "backend"
+
+
+def test_a_checkpoint_is_a_base_by_its_listed_name_within_the_tenant(
+    client: TestClient, settings: Settings, train_file: dict[str, Any]
+) -> None:
+    """`model: ft:...:ckpt-step-N` names a stored checkpoint: accepted while it exists, 404 for a step that
+    was never stored or another tenant's job, 400 for a LoRA job's (its checkpoints hold the adapter only)."""
+    from ortune.db.models import Checkpoint
+    from ortune.db.repositories import CheckpointRepository
+    from trainer_core.spec import Lora
+
+    job = create(client, model="tiny-bert", training_file=train_file["id"]).json()
+    with session_scope(settings.database_url) as session:
+        CheckpointRepository(session).add(
+            Checkpoint(id="ckpt-t", job_id=job["id"], step=4, object_key="k", bytes=1, sha256="1" * 64)
+        )
+    name = client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"][0]
+    name = name["fine_tuned_model_checkpoint"]
+    assert name.endswith(f":{job['id']}:ckpt-step-4")
+    again = create(client, model=name, training_file=train_file["id"])
+    assert again.status_code == 200, again.text
+    assert again.json()["model"] == name
+    missing = create(client, model=name.replace("ckpt-step-4", "ckpt-step-5"), training_file=train_file["id"])
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    with session_scope(settings.database_url) as session:
+        lora = JobRepository(session).get(again.json()["id"])
+        assert lora is not None
+        lora.spec = lora.spec.model_copy(update={"lora": Lora()})
+        CheckpointRepository(session).add(
+            Checkpoint(id="ckpt-l", job_id=lora.id, step=2, object_key="k2", bytes=1, sha256="2" * 64)
+        )
+    adapter_only = create(client, model=f"ft:x:{lora.id}:ckpt-step-2", training_file=train_file["id"])
+    assert (
+        adapter_only.status_code == 400
+        and "holds the adapter alone" in adapter_only.json()["error"]["message"]
+    )
+    with session_scope(settings.database_url) as session:
+        elsewhere = TenantRepository(session).create("elsewhere")
+        stored = JobRepository(session).get(job["id"])
+        assert stored is not None
+        stored.tenant_id = elsewhere.id
+    theirs = create(client, model=name, training_file=train_file["id"])
+    assert theirs.status_code == 404 and "no fine-tuned model checkpoint" in theirs.json()["error"]["message"]

@@ -295,7 +295,9 @@ def test_a_job_continued_from_a_fine_tuned_model_starts_from_its_weights(
     train = service.upload(DEMO / "sentiment_train.jsonl")
     body = {"training_file": train["id"], "backend": "torch", "seed": 3}
     hp = {"batch_size": 16, "learning_rate": 2e-3, "max_seq_length": 32}
-    first = service.create_job(model="tiny-bert", **body, hyperparameters=hp | {"max_steps": 40})
+    first = service.create_job(
+        model="tiny-bert", **body, hyperparameters=hp | {"max_steps": 40}, checkpoint_every_steps=20
+    )
     done = wait_for(service, first["id"], TERMINAL)
     assert done["status"] == "succeeded", done["error"]
     second = service.create_job(model=done["fine_tuned_model"], **body, hyperparameters=hp | {"max_steps": 3})
@@ -311,6 +313,15 @@ def test_a_job_continued_from_a_fine_tuned_model_starts_from_its_weights(
 
     a, b = losses(first["id"]), losses(second["id"])
     assert b[0] < (a[0] + sum(a[-5:]) / 5) / 2, (a[:3], a[-5:], b)
+
+    # a checkpoint, by the name the checkpoints list gives it, is a base too: it carries its tokenizer
+    listed = service.get(f"/v1/fine_tuning/jobs/{first['id']}/checkpoints")["data"]
+    at_20 = next(c["fine_tuned_model_checkpoint"] for c in listed if c["step_number"] == 20)
+    third = service.create_job(model=at_20, **body, hyperparameters=hp | {"max_steps": 3})
+    from_checkpoint = wait_for(service, third["id"], TERMINAL)
+    assert from_checkpoint["status"] == "succeeded", from_checkpoint["error"]
+    c = losses(third["id"])
+    assert c[0] < (a[0] + a[19]) / 2, (a[:3], a[19], c)  # nearer step 20's loss than the start's
 
 
 @pytest.mark.parametrize("settings", ["embedded"], indirect=True)

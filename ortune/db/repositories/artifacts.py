@@ -43,6 +43,10 @@ class CheckpointRepository(Repository):
         self.session.delete(checkpoint)
         self.session.flush()
 
+    def at(self, job_id: str, step: int) -> Checkpoint | None:
+        stmt = select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
+        return self.session.scalars(stmt).first()
+
     def latest(self, job_id: str) -> Checkpoint | None:
         stmt = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())
         return self.session.scalars(stmt.limit(1)).first()
