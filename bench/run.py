@@ -9,6 +9,7 @@ from pathlib import Path
 BENCHMARKS = [
     "bench.train_backends",
     "bench.demo_precision",
+    "bench.llm_methods",
     "bench.service_overhead",
     "bench.api_load",
     "bench.artifact_io",

@@ -135,7 +135,8 @@ class Packed(torch.utils.data.Dataset[dict[str, Any]]):
 
 class PackedCollator(Collator):
     """Pads packed sequences: the padding is a segment of its own (positions from 0, no loss), and there is
-    no attention mask, so the model takes the segments from the position ids."""
+    no attention mask, so the model takes the segments from the position ids. The job's evaluation rows,
+    not packed, come through it too, each a segment of its own."""
 
     def __call__(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         width = max(len(b["input_ids"]) for b in batch)
@@ -148,6 +149,7 @@ class PackedCollator(Collator):
             n = len(b["input_ids"])
             ids[i, :n] = torch.tensor(b["input_ids"])
             labels[i, :n] = torch.tensor(b["labels"])
-            positions[i, :n] = torch.tensor(b["position_ids"])
+            # an evaluation row is not packed: one segment from 0
+            positions[i, :n] = torch.tensor(b.get("position_ids", range(n)))
             positions[i, n:] = torch.arange(width - n)
         return {"input_ids": ids, "labels": labels, "position_ids": positions}

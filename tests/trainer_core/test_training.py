@@ -669,6 +669,7 @@ def test_a_packed_job_trains_on_fewer_fuller_sequences(tmp_path: Path) -> None:
         task="causal-lm",
         model="tiny-gpt2",
         train_file=str(write_jsonl(tmp_path / "sums.jsonl", items)),
+        validation_file=str(write_jsonl(tmp_path / "held-out.jsonl", items[::8])),  # evaluated unpacked
         output_dir=str(tmp_path / "out"),
         hyperparameters=Hyperparameters(
             n_epochs=4, batch_size=4, learning_rate=3e-3, max_seq_length=64
@@ -685,3 +686,5 @@ def test_a_packed_job_trains_on_fewer_fuller_sequences(tmp_path: Path) -> None:
     assert backend["used"] == "torch" and "packed sequences train under PyTorch" in backend["reason"]
     losses = [e["train_loss"] for e in events if e["type"] == "metrics" and "train_loss" in e]
     assert losses[-1] < losses[0]
+    evals = [e["eval_loss"] for e in events if e["type"] == "metrics" and "eval_loss" in e]
+    assert evals[-1] < evals[0]
