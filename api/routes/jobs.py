@@ -189,14 +189,24 @@ async def list_artifacts(job_id: str, read: ReadDep, caller: CallerDep) -> list[
 )
 def download_artifact(
     job_id: str,
-    fmt: Literal["pytorch", "onnx", "adapter"],
+    fmt: Literal["pytorch", "onnx", "adapter", "merged"],
     request: Request,
     session: SessionDep,
     store: StoreDep,
     caller: CallerDep,
 ) -> Response:
-    """Download the model as a tar archive, with its sha256 in headers and Range support."""
+    """Download the model as a tar archive, with its sha256 in headers and Range support. `merged` is a LoRA
+    job's adapter merged into its base: its `pytorch` archive, by the name PEFT users look for."""
     jobs.require(session, caller, job_id)
+    if fmt == "merged":
+        if jobs.get(session, caller, job_id).spec.lora is None:
+            raise NotFound(
+                f"job {job_id} trained no adapter, so there is no merged model; its pytorch artifact is the "
+                "model",
+                param="format",
+                code="artifact_not_found",
+            )
+        fmt = "pytorch"
     artifact = ArtifactRepository(session).get(job_id, fmt)
     if artifact is None:
         job = jobs.get(session, caller, job_id)  # the 404 says why, when an export failed

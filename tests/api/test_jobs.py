@@ -263,6 +263,8 @@ def test_artifact_download_with_range(
     client: TestClient, settings: Settings, train_file: dict[str, Any]
 ) -> None:
     job = create(client, model="tiny-bert", training_file=train_file["id"]).json()
+    no_adapter = client.get(f"/v1/fine_tuning/jobs/{job['id']}/artifacts/merged")
+    assert no_adapter.status_code == 404 and "trained no adapter" in no_adapter.json()["error"]["message"]
     missing = client.get(f"/v1/fine_tuning/jobs/{job['id']}/artifacts/onnx")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "artifact_not_found"
     assert client.get(f"/v1/fine_tuning/jobs/{job['id']}/artifacts/safetensors").status_code == 422
@@ -450,6 +452,8 @@ def test_a_job_whose_onnx_export_failed_succeeds_with_its_pytorch_model(
     assert done["status"] == "succeeded" and done["result"]["failed_artifacts"] == {"onnx": reason}
     said = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events").json()["data"][0]["message"]
     assert said.endswith("(without its onnx model, whose export failed: see above)")
+    no_adapter = client.get(f"/v1/fine_tuning/jobs/{job['id']}/artifacts/merged")
+    assert no_adapter.status_code == 404 and "trained no adapter" in no_adapter.json()["error"]["message"]
     missing = client.get(f"/v1/fine_tuning/jobs/{job['id']}/artifacts/onnx")
     assert (
         missing.status_code == 404

@@ -251,6 +251,8 @@ def test_a_lora_chat_job_end_to_end(service: Client, tmp_path: Path) -> None:
     assert artifacts["adapter"]["manifest"]["lora"]["r"] == 4
     digest = service.download(job["id"], "adapter", tmp_path / "adapter.tar")
     assert digest == artifacts["adapter"]["sha256"]
+    merged = service.download(job["id"], "merged", tmp_path / "merged.tar")
+    assert merged == artifacts["pytorch"]["sha256"]  # the adapter merged into its base
     with tarfile.open(tmp_path / "adapter.tar") as tar:
         names = {Path(n).name for n in tar.getnames()}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= names
