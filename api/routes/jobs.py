@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -23,6 +24,7 @@ from api.schemas import (
 )
 from api.services import artifacts, idempotency, jobs
 from ortune.db.base import new_id
+from ortune.db.models import JobStatus
 from ortune.db.repositories import (
     ArtifactRepository,
     CheckpointRepository,
@@ -60,14 +62,40 @@ def create_job(
     return FineTuningJob.of(jobs.create(session, settings, caller, req, job_id=claim.resource_id))
 
 
+METADATA_PARAM = re.compile(r"^metadata\[(?P<key>[^\[\]]{1,64})\]$")
+
+
+def metadata_filter(request: Request) -> dict[str, str]:
+    """OpenAI's `metadata[key]=value` query parameters (every pair must match); a malformed one is a 400."""
+    pairs = {}
+    for name, value in request.query_params.multi_items():
+        if not name.startswith("metadata"):
+            continue
+        if (match := METADATA_PARAM.match(name)) is None:
+            raise APIError(
+                f"{name!r} is not a metadata filter: use metadata[key]=value (keys of 1 to 64 characters)",
+                param=name,
+            )
+        pairs[match["key"]] = value
+    return pairs
+
+
 @router.get("", response_model=Page[FineTuningJob])
 async def list_jobs(
-    read: ReadDep, caller: CallerDep, after: str | None = None, limit: Limit = 20
+    request: Request,
+    read: ReadDep,
+    caller: CallerDep,
+    after: str | None = None,
+    limit: Limit = 20,
+    status: JobStatus | None = None,
 ) -> Page[FineTuningJob]:
-    """List jobs, newest first, in cursor pages."""
+    """List jobs, newest first, in cursor pages; `status=` and `metadata[key]=value` narrow the list."""
+    metadata = metadata_filter(request)
 
     def work(session: Session) -> Page[FineTuningJob]:
-        rows, more = JobRepository(session).list(tenant_id=caller.tenant_id, after=after, limit=limit)
+        rows, more = JobRepository(session).list(
+            tenant_id=caller.tenant_id, after=after, limit=limit, status=status, metadata=metadata
+        )
         return page([FineTuningJob.of(j) for j in rows], more)
 
     return await read(work)

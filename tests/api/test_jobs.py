@@ -598,3 +598,37 @@ def test_a_checkpoint_is_a_base_by_its_listed_name_within_the_tenant(
         stored.tenant_id = elsewhere.id
     theirs = create(client, model=name, training_file=train_file["id"])
     assert theirs.status_code == 404 and "no fine-tuned model checkpoint" in theirs.json()["error"]["message"]
+
+
+def test_the_job_list_filters_by_status_and_metadata(client: TestClient, train_file: dict[str, Any]) -> None:
+    """`status=` and OpenAI's `metadata[key]=value` (every pair must match) narrow the list, with the
+    cursor pages still working; a malformed metadata filter is a 400 naming it."""
+    made = [
+        create(
+            client,
+            model="tiny-bert",
+            training_file=train_file["id"],
+            metadata={"team": team, "run": str(i)},
+        ).json()
+        for i, team in enumerate(["search", "ads", "search", "search"])
+    ]
+    client.post(f"/v1/fine_tuning/jobs/{made[3]['id']}/cancel")
+
+    def ids(query: str) -> list[str]:
+        response = client.get(f"/v1/fine_tuning/jobs?{query}")
+        assert response.status_code == 200, response.text
+        return [j["id"] for j in response.json()["data"]]
+
+    assert ids("metadata[team]=search") == [made[3]["id"], made[2]["id"], made[0]["id"]]
+    assert ids("metadata[team]=search&metadata[run]=2") == [made[2]["id"]]
+    assert ids("metadata[team]=search&status=queued") == [made[2]["id"], made[0]["id"]]
+    assert ids("status=cancelled") == [made[3]["id"]]
+    assert ids("metadata[team]=nobody") == []
+    first = client.get("/v1/fine_tuning/jobs?metadata[team]=search&limit=2").json()
+    assert first["has_more"] and len(first["data"]) == 2
+    rest = ids(f"metadata[team]=search&limit=2&after={first['last_id']}")
+    assert rest == [made[0]["id"]]
+    bad = client.get("/v1/fine_tuning/jobs?metadata[]=x")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "metadata[]"
+    unknown = client.get("/v1/fine_tuning/jobs?status=sleeping")
+    assert unknown.status_code == 422 and unknown.json()["error"]["param"] == "status"

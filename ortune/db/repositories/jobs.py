@@ -34,8 +34,21 @@ class JobRepository(Repository):
         """The job's tenant, without loading the job (its spec is the bulk of the row)."""
         return self.session.scalar(select(Job.tenant_id).where(Job.id == job_id))
 
-    def list(self, *, tenant_id: str, after: str | None, limit: int) -> tuple[list[Job], bool]:
+    def list(
+        self,
+        *,
+        tenant_id: str,
+        after: str | None,
+        limit: int,
+        status: JobStatus | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> tuple[list[Job], bool]:
+        """A tenant's jobs newest first, optionally of one status and carrying every `metadata` pair."""
         stmt = select(Job).where(Job.tenant_id == tenant_id)
+        if status is not None:
+            stmt = stmt.where(Job.status == status)
+        for key, value in (metadata or {}).items():
+            stmt = stmt.where(Job.user_metadata[key].as_string() == value)
         stmt = keyset_after(stmt, Job, page_anchor(self.session, Job, after, tenant_id))
         rows = list(
             self.session.scalars(stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1))
