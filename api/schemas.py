@@ -277,6 +277,7 @@ class FineTuningJob(BaseModel):
             validation_file=job.validation_file_id,
             hyperparameters=openai_hp,
             trained_tokens=job.trained_tokens,
+            result_files=list((job.result or {}).get("result_files") or []),
             error=JobError(**job.error) if job.error else None,
             seed=job.seed,
             suffix=job.suffix,

@@ -18,9 +18,10 @@ from sqlalchemy.orm import Session
 
 from ortune import lifecycle
 from ortune.db.models import Assignment, File, Job, JobStatus
-from ortune.db.repositories import FileRepository, JobRepository, NodeRepository
+from ortune.db.repositories import EventRepository, FileRepository, JobRepository, NodeRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
+from ortune.storage import StorageUnavailable
 
 log = logging.getLogger(__name__)
 WORKER = f"{os.uname().nodename}:{os.getpid()}"
@@ -136,6 +137,7 @@ def finish(settings: Settings, job: Job, outcome: Outcome) -> None:
                 lifecycle.superseded(session, job.id, attempt, WORKER)
                 return
             case JobStatus.succeeded:
+                _attach_results(session, settings, job)
                 lifecycle.succeed(session, job, attempt)
             case JobStatus.failed:
                 lifecycle.fail(
@@ -148,6 +150,21 @@ def finish(settings: Settings, job: Job, outcome: Outcome) -> None:
             case _:
                 lifecycle.cancelled_stopped(session, job.id, attempt)
         lifecycle.nudge_search(session, settings, job)
+
+
+def _attach_results(session: Session, settings: Settings, job: Job) -> None:
+    """The job's step-metrics file (worker/results.py). Its model is stored already: a storage refusal
+    here costs the job that file only, said in its events."""
+    from worker.results import attach
+    from worker.staging import store_of
+
+    try:
+        with session.begin_nested():
+            attach(session, store_of(settings), job)
+    except StorageUnavailable as exc:
+        EventRepository(session).add(
+            job.id, f"The step-metrics result file could not be stored: {exc}", level="warn"
+        )
 
 
 def requeue(settings: Settings, job: Job, because: str) -> None:

@@ -58,6 +58,16 @@ def test_classification_job_end_to_end(service: Client, tmp_path: Path) -> None:
     assert series["train_loss"]["steps"] == [1, 2, 3, 4, 5, 6]
     assert series["eval_accuracy"]["steps"][0] == 0  # the evaluation before training
 
+    # OpenAI's result file: the step metrics as CSV, a file of the job's own
+    (result_file,) = done["result_files"]
+    described = service.get(f"/v1/files/{result_file}")
+    assert described["purpose"] == "fine-tune-results" and described["filename"] == "step_metrics.csv"
+    table = service.http.get(f"/v1/files/{result_file}/content").text.splitlines()
+    assert table[0].startswith("step,train_loss,valid_loss,valid_accuracy"), table[0]
+    by_step = {int(line.split(",")[0]): line.split(",") for line in table[1:]}
+    assert sorted(by_step) == [0, 1, 2, 3, 4, 5, 6] and described["bytes"] == len("\n".join(table)) + 1
+    assert float(by_step[6][1]) == pytest.approx(series["train_loss"]["values"][-1])
+
     texts = [r["text"] for r in rows(16, "sentiment_valid.jsonl")]
     pt_dir = (
         extract(tmp_path / "pt.tar", tmp_path, "pytorch")
