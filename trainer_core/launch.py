@@ -48,6 +48,7 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     from trainer_core import (
         backends,
         export,
+        export_decoder,
         modeling,
         ort_trainer,
         precision,
@@ -158,15 +159,15 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     # DPO's did, left autocast in place, and its bf16 greedy decoding then disagreed with ONNX's)
     del model
     model = modeling.from_directory(out / "pytorch", spec.task)
+    exporter = export_decoder.export_onnx if spec.task == "causal-lm" else export.export_onnx
     try:
-        onnx = export.export_onnx(
+        onnx = exporter(
             model,
             loaded.tokenizer,
             out / "onnx",
             samples,
             manifest,
             max_len=spec.hyperparameters.max_seq_length,
-            task=spec.task,
         )
         events.emit("artifact", format="onnx", path=str(out / "onnx"), manifest=onnx)
         parity = onnx["parity"]["max_abs_diff"]

@@ -7,13 +7,14 @@ from pathlib import Path
 
 from tests.support import ROOT
 
-PACKAGES = ("ortune", "api", "worker", "trainer_core")
+PACKAGES = ("ortune", "api", "worker", "trainer_core", "serve")
 # what each part may import of the others
 ALLOWED = {
     "ortune": {"ortune", "trainer_core"},  # the kernel reads trainer_core's torch-free spec
     "api": {"api", "ortune", "trainer_core"},
     "worker": {"worker", "ortune", "trainer_core"},
     "trainer_core": {"trainer_core"},
+    "serve": {"serve", "ortune", "trainer_core"},  # inference: the kernel's storage, the chat template
 }
 
 

@@ -577,7 +577,7 @@ def test_a_causal_lm_exports_with_its_kv_cache_and_generates_pytorchs_tokens(
     import onnxruntime as ort
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from trainer_core import export, modeling
+    from trainer_core import export, export_decoder, modeling
 
     texts = [f"the {w} jumps over the lazy {v} again and again" for w in "abcd" for v in "wxyz"]
     tokenizer = modeling.train_tokenizer("tiny-gpt2", texts * 5)
@@ -588,9 +588,7 @@ def test_a_causal_lm_exports_with_its_kv_cache_and_generates_pytorchs_tokens(
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
-    manifest = export.export_onnx(
-        model, tokenizer, tmp_path / "onnx", texts, {}, max_len=64, task="causal-lm"
-    )
+    manifest = export_decoder.export_onnx(model, tokenizer, tmp_path / "onnx", texts, {}, max_len=64)
     assert manifest["kv_cache"] is True and manifest["outputs"][:2] == ["logits", "present.0.key"]
     greedy = manifest["greedy_parity"]
     assert greedy["prompts"] == 4 and greedy["identical"] + greedy["ties"] == 4 and greedy["diverged"] == []
@@ -603,11 +601,11 @@ def test_a_causal_lm_exports_with_its_kv_cache_and_generates_pytorchs_tokens(
     def off_by_one(session: Any, shape: Any, prompt: list[int], n: int) -> list[int]:
         return [(t + 1) % len(tokenizer) for t in real(session, shape, prompt, n)]
 
-    real = export._onnx_greedy
+    real = export_decoder._onnx_greedy
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(export, "_onnx_greedy", off_by_one)
+        mp.setattr(export_decoder, "_onnx_greedy", off_by_one)
         with pytest.raises(export.ExportError, match="greedy generation differs from PyTorch's on 4 of 4"):
-            export.export_onnx(model, tokenizer, tmp_path / "onnx2", texts, {}, max_len=64, task="causal-lm")
+            export_decoder.export_onnx(model, tokenizer, tmp_path / "onnx2", texts, {}, max_len=64)
 
 
 @pytest.mark.parametrize("shape", ["llama", "qwen2", "gpt2"])
