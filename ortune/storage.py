@@ -235,3 +235,30 @@ def open_store(
         store.ensure_bucket()
         return store
     raise StorageError(f"unsupported storage url {url!r}: use file:///path or s3://bucket?endpoint_url=...")
+
+
+class ArchiveUnusable(StorageError):
+    """A stored archive that is gone, or whose bytes are not the ones recorded."""
+
+
+def fetch_archive(store: ObjectStore, key: str, sha256: str, home: Path, what: str = "archive") -> None:
+    """Fetch the tar archive at `key` and unpack it as `home`, after checking its sha256: whole or absent,
+    so a concurrent reader never sees half of it (the worker's base models, the inference cache)."""
+    import tempfile
+
+    home.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=home.parent) as tmp:
+        archive = Path(tmp) / "model.tar"
+        try:
+            store.get_to_path(key, archive)
+        except ObjectNotFound as exc:
+            raise ArchiveUnusable(f"the {what} {key} is gone (was it deleted?)") from exc
+        if (got := sha256_file(archive)) != sha256:
+            raise ArchiveUnusable(
+                f"the {what} {key} failed its sha256 check (recorded {sha256[:12]}…, read {got[:12]}…); it "
+                "was not unpacked"
+            )
+        with tarfile.open(archive) as tar:
+            tar.extractall(Path(tmp) / "model", filter="data")
+        shutil.rmtree(home, ignore_errors=True)
+        (Path(tmp) / "model").rename(home)

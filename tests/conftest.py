@@ -78,6 +78,7 @@ def settings(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Setting
         s3_access_key=s3.access_key,
         s3_secret_key=s3.secret_key,
         api_port=services.free_port(),
+        serve_port=services.free_port(),
         queue=f"ortune.test.{uuid.uuid4().hex[:8]}",
         **TEST_DEFAULTS,
     )

@@ -162,6 +162,7 @@ def deployment(tmp: Path, n_hosts: int, **overrides: object) -> Iterator[Deploym
             s3_secret_key=s3.secret_key,
             api_host=at,
             api_port=services.free_port(),
+            serve_port=services.free_port(),
             queue=f"ortune.hosts.{network.tag}",
             **(TEST_DEFAULTS | overrides),
         )

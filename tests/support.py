@@ -73,6 +73,7 @@ def embedded_settings(tmp: Path, **overrides: Any) -> Settings:
     return Settings(
         data_dir=tmp / "state",
         api_port=services.free_port(),
+        serve_port=services.free_port(),
         queue=f"ortune.test.{uuid.uuid4().hex[:8]}",
         **(TEST_DEFAULTS | overrides),
     )

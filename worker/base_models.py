@@ -3,14 +3,11 @@ from object storage into the node's cache, its archive checked against the recor
 
 from __future__ import annotations
 
-import shutil
-import tarfile
-import tempfile
 from pathlib import Path
 
 from ortune.db.models import Job
 from ortune.settings import Settings
-from ortune.storage import ObjectNotFound, ObjectStore, sha256_file
+from ortune.storage import ArchiveUnusable, ObjectStore, fetch_archive
 from trainer_core import registry
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt")
@@ -40,19 +37,7 @@ def resolve(settings: Settings, store: ObjectStore, job: Job) -> registry.ModelI
 
 
 def _fetch(store: ObjectStore, key: str, sha256: str, home: Path) -> None:
-    home.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=home.parent) as tmp:
-        archive = Path(tmp) / "model.tar"
-        try:
-            store.get_to_path(key, archive)
-        except ObjectNotFound as exc:
-            raise BaseModelUnavailable(f"the base model's archive {key} is gone (was it deleted?)") from exc
-        if (got := sha256_file(archive)) != sha256:
-            raise BaseModelUnavailable(
-                f"the base model's archive {key} failed its sha256 check (recorded {sha256[:12]}…, read "
-                f"{got[:12]}…); it was not unpacked"
-            )
-        with tarfile.open(archive) as tar:
-            tar.extractall(Path(tmp) / "model", filter="data")
-        shutil.rmtree(home, ignore_errors=True)
-        (Path(tmp) / "model").rename(home)  # whole or absent: another attempt never sees half of it
+    try:
+        fetch_archive(store, key, sha256, home, "base model's archive")
+    except ArchiveUnusable as exc:
+        raise BaseModelUnavailable(str(exc)) from exc

@@ -40,12 +40,16 @@ def _client(api: str | None) -> Client:
 
 
 @app.command()
-def up(worker: Annotated[bool, typer.Option(help="also start a Celery worker")] = True) -> None:
-    """Run migrations, then the API and a worker until Ctrl-C (embedded default unless ORTUNE_* URLs say)."""
+def up(
+    worker: Annotated[bool, typer.Option(help="also start a Celery worker")] = True,
+    serve: Annotated[bool, typer.Option(help="also start the inference process")] = True,
+) -> None:
+    """Run migrations, then the API, the inference process and a worker until Ctrl-C (embedded default unless
+    ORTUNE_* URLs say)."""
     from ortune.cli.embedded import start
 
     settings = get_settings()
-    with start(settings, worker=worker) as services:
+    with start(settings, worker=worker, serve=serve) as services:
         console.print(f"[green]ortune is up[/] at {settings.api_url} (state: {settings.database_url})")
         try:
             while all(p.poll() is None for p in services.procs):
@@ -65,6 +69,18 @@ def worker_cmd() -> None:
 
     settings = get_settings()
     cmd = worker_command(settings)
+    os.execvpe(cmd[0], cmd, child_env(settings))
+
+
+@app.command("serve")
+def serve_cmd() -> None:
+    """Run the inference process in the foreground (its own service in production; ORTUNE_SERVE_PORT)."""
+    import os
+
+    from ortune.cli.embedded import child_env, serve_command
+
+    settings = get_settings()
+    cmd = serve_command(settings)
     os.execvpe(cmd[0], cmd, child_env(settings))
 
 

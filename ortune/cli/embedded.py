@@ -1,4 +1,5 @@
-"""Start the service's processes: the API under uvicorn and one Celery worker, as children of this one.
+"""Start the service's processes: the API and the inference process under uvicorn and one Celery worker, as
+children of this one.
 
 `ortune up` uses this for the embedded default (SQLite, kombu's SQLAlchemy transport, a local folder) and
 the same code runs against Postgres, Redis and S3 when the settings say so.
@@ -74,6 +75,23 @@ def api_command(settings: Settings) -> list[str]:
     ]
 
 
+def serve_command(settings: Settings) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--factory",
+        "serve.app:app",
+        "--host",
+        settings.serve_host,
+        "--port",
+        str(settings.serve_port),
+        "--log-level",
+        "info",
+        "--no-access-log",
+    ]
+
+
 def worker_command(settings: Settings, name: str = "") -> list[str]:
     return [
         sys.executable,
@@ -115,7 +133,12 @@ def wait_healthy(url: str, timeout: float = 60.0, proc: subprocess.Popen[bytes] 
 
 
 def start(
-    settings: Settings, *, api: bool = True, worker: bool = True, log_dir: Path | None = None
+    settings: Settings,
+    *,
+    api: bool = True,
+    worker: bool = True,
+    serve: bool = True,
+    log_dir: Path | None = None,
 ) -> Services:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database_url)
@@ -129,6 +152,11 @@ def start(
             with (log_dir / "worker.log").open("ab") as log:
                 services.procs.append(
                     subprocess.Popen(worker_command(settings), env=env, stdout=log, stderr=subprocess.STDOUT)
+                )
+        if serve:  # the inference process the API forwards /v1/chat/completions and /v1/predict to
+            with (log_dir / "serve.log").open("ab") as log:
+                services.procs.append(
+                    subprocess.Popen(serve_command(settings), env=env, stdout=log, stderr=subprocess.STDOUT)
                 )
         if api:
             with (log_dir / "api.log").open("ab") as log:

@@ -1,0 +1,1 @@
+"""Inference from jobs' ONNX artifacts with ONNX Runtime (`ortune serve`): reached by the API over HTTP."""

@@ -1,0 +1,80 @@
+"""What the API decides before it forwards an inference request: whose model it is, whether it has an ONNX
+model to serve, and what a caller is told when the inference process does not answer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from ortune import lifecycle
+from ortune.db.models import Artifact
+from ortune.db.repositories import ArtifactRepository, JobRepository, TenantRepository
+from ortune.db.session import session_scope
+from ortune.settings import Settings
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def succeeded(
+    client: TestClient, settings: Settings, train_file: dict[str, Any], *formats: str
+) -> tuple[str, str]:
+    """A job made succeeded with the artifact rows `formats`: its model name and id."""
+    job = client.post(
+        "/v1/fine_tuning/jobs", json={"model": "tiny-bert", "training_file": train_file["id"]}
+    ).json()
+    with session_scope(settings.database_url) as session:
+        jobs = JobRepository(session)
+        jobs.update(job["id"], status="running", result={"failed_artifacts": {"onnx": "simulated"}})
+        for fmt in formats:
+            ArtifactRepository(session).put(
+                Artifact(
+                    job_id=job["id"], format=fmt, object_key=f"k/{fmt}", bytes=1, sha256="0" * 64, manifest={}
+                )
+            )
+        stored = jobs.get(job["id"])
+        assert stored is not None and lifecycle.succeed(session, stored, stored.attempt)
+        session.refresh(stored)
+        assert stored.fine_tuned_model is not None
+        return stored.fine_tuned_model, stored.id
+
+
+def test_inference_answers_for_the_callers_own_served_models_only(
+    client: TestClient, settings: Settings, train_file: dict[str, Any]
+) -> None:
+    name, job_id = succeeded(client, settings, train_file, "pytorch", "onnx")
+    # nothing listens at ORTUNE_SERVE_URL here: a 503 that says what to start, with Retry-After
+    down = client.post("/v1/predict", json={"model": name, "inputs": "good"})
+    assert down.status_code == 503 and down.json()["error"]["code"] == "inference_unavailable"
+    assert "ortune serve" in down.json()["error"]["message"] and down.headers["retry-after"] == "5"
+    wrong_kind = client.post("/v1/chat/completions", json={"model": name, "messages": CHAT})
+    assert wrong_kind.status_code == 400 and "use /v1/predict" in wrong_kind.json()["error"]["message"]
+    base = client.post("/v1/chat/completions", json={"model": "tiny-gpt2", "messages": CHAT})
+    assert base.status_code == 404 and base.json()["error"]["param"] == "model"
+
+    no_onnx, _ = succeeded(client, settings, train_file, "pytorch")
+    missing = client.post("/v1/predict", json={"model": no_onnx, "inputs": "good"})
+    assert (
+        missing.status_code == 404
+        and "has no ONNX model to serve: simulated" in missing.json()["error"]["message"]
+    )
+
+    with session_scope(settings.database_url) as session:
+        elsewhere = TenantRepository(session).create("elsewhere")
+        stored = JobRepository(session).get(job_id)
+        assert stored is not None
+        stored.tenant_id = elsewhere.id
+    theirs = client.post("/v1/predict", json={"model": name, "inputs": "good"})
+    assert theirs.status_code == 404 and theirs.json()["error"]["code"] == "model_not_found"
+
+
+def test_inference_requests_are_checked_before_they_are_forwarded(client: TestClient) -> None:
+    for body, param in [
+        ({"model": "m", "messages": CHAT, "temperature": 3}, "temperature"),
+        ({"model": "m", "messages": CHAT, "n": 2}, "n"),
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"model": "m", "messages": CHAT, "max_tokens": 0}, "max_tokens"),
+    ]:
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 422 and response.json()["error"]["param"] == param, response.text
