@@ -109,10 +109,9 @@ def _generate(cache: ModelCache, req: Generation, *, chat: bool) -> Any:
     if req.stream:
         return StreamingResponse(_events(steps, head, chat, len(prompt)), media_type="text/event-stream")
     text, finish, count = "", "length", 0
-    for piece, reason in steps:
+    for piece, reason, so_far in steps:
         text += piece
-        count += 1
-        finish = reason or finish
+        finish, count = reason or finish, so_far
     usage = {"prompt_tokens": len(prompt), "completion_tokens": count, "total_tokens": len(prompt) + count}
     if chat:
         choice = {
@@ -130,7 +129,7 @@ def _generate(cache: ModelCache, req: Generation, *, chat: bool) -> Any:
 
 
 def _events(
-    steps: Iterator[tuple[str, str | None]], head: dict[str, Any], chat: bool, prompt: int
+    steps: Iterator[tuple[str, str | None, int]], head: dict[str, Any], chat: bool, prompt: int
 ) -> Iterator[bytes]:
     kind = "chat.completion.chunk" if chat else "text_completion"
     count = 0
@@ -147,8 +146,8 @@ def _events(
 
     if chat:
         yield event(None, None, first=True)
-    for piece, reason in steps:
-        count += 1
+    for piece, reason, so_far in steps:
+        count = so_far
         if piece or reason:
             yield event(piece, reason)
     usage = {"prompt_tokens": prompt, "completion_tokens": count, "total_tokens": prompt + count}

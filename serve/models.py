@@ -71,9 +71,9 @@ class Decoder:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def generate(self, prompt: list[int], sampling: Sampling) -> Iterator[tuple[str, str | None]]:
-        """(new text, finish reason or None) per step, the reason on the last: "stop" at the end token or a
-        stop text (which is not returned), "length" at max_tokens."""
+    def generate(self, prompt: list[int], sampling: Sampling) -> Iterator[tuple[str, str | None, int]]:
+        """(new text, finish reason or None, tokens generated so far) per step, the reason on the last: "stop"
+        at the end token or a stop text (which is not returned), "length" at max_tokens."""
         rng = np.random.default_rng(sampling.seed)
         eos = self.tokenizer.eos_token_id
         ids: list[int] = []
@@ -87,24 +87,24 @@ class Decoder:
             logits, past = self._step(step, seen, past, prompt + ids)
             token = _pick(logits, sampling, rng)
             if token == eos:
-                yield "", "stop"
+                yield "", "stop", len(ids) + 1
                 return
             ids.append(token)
             text = str(self.tokenizer.decode(ids, skip_special_tokens=False))
             cut = min((i for s in sampling.stop if (i := text.find(s)) >= 0), default=-1)
             if cut >= 0:
-                yield text[len(said) : cut], "stop"
+                yield text[len(said) : cut], "stop", len(ids)
                 return
             # hold back what may be the start of a stop text, or half a character
             safe = len(text) - max((len(s) - 1 for s in sampling.stop), default=0)
             if text.endswith("\ufffd"):
                 safe = min(safe, len(text) - 1)
             if safe > len(said):
-                yield text[len(said) : safe], None
+                yield text[len(said) : safe], None, len(ids)
                 said = text[:safe]
             seen += len(step)
             step = [token]
-        yield str(self.tokenizer.decode(ids))[len(said) :], "length"
+        yield str(self.tokenizer.decode(ids))[len(said) :], "length", len(ids)
 
     def _step(
         self, step: list[int], seen: int, past: dict[str, np.ndarray], everything: list[int]
