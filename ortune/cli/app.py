@@ -51,6 +51,8 @@ def up(
     settings = get_settings()
     with start(settings, worker=worker, serve=serve) as services:
         console.print(f"[green]ortune is up[/] at {settings.api_url} (state: {settings.database_url})")
+        if serve:
+            console.print(f"inference (ortune serve) at {settings.serve_url}, reached through the API")
         try:
             while all(p.poll() is None for p in services.procs):
                 time.sleep(0.5)
