@@ -69,6 +69,17 @@ def onnx_accuracy(model_dir: Path, rows: list[dict[str, Any]]) -> float:
     )
 
 
+def _try_it(client: Client, console: Console, model: str, texts: list[str]) -> None:
+    """The fine-tuned model answering through the service (/v1/predict, the inference process)."""
+    response = client.http.post("/v1/predict", json={"model": model, "inputs": texts})
+    if response.status_code != 200:
+        console.print(f"[yellow]/v1/predict did not answer: {response.text[:200]}[/]")
+        return
+    for text, scores in zip(texts, response.json()["data"], strict=True):
+        best = scores[0]
+        console.print(f"served by /v1/predict: {best['label']} ({best['score']:.2f}) for {text[:60]!r}")
+
+
 def run_demo(console: Console, *, keep: bool = False) -> int:
     from ortune.cli.embedded import start
 
@@ -115,6 +126,7 @@ def run_demo(console: Console, *, keep: bool = False) -> int:
             f"ONNX parity max |Δlogit| {final['result']['onnx_max_abs_diff'] or float('nan'):.2e}"
         )
         console.print(f"precision: {final['precision_used']} ({final['precision_reason']})")
+        _try_it(client, console, final["fine_tuned_model"], [r["text"] for r in rows[:2]])
         if min(results.values()) <= before:
             console.print("[red]accuracy after training did not beat accuracy before[/]")
             return 1
