@@ -1,0 +1,87 @@
+"""Decoding in the inference process: with the export's KV cache and without one (an artifact from before the
+cache was exported), stop texts, seeds, and the cache's byte bound."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from ortune.storage import open_store, sha256_file
+from serve.models import MANIFEST, Decoder, ModelCache, Ref, Sampling, TooLarge, _load
+from trainer_core import export, export_decoder, modeling
+
+TEXTS = [f"the {w} jumps over the lazy {v} again" for w in "abcd" for v in "wxyz"]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny untrained GPT-2 exported both ways: logits only (the old layout) and with its cache."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    root = tmp_path_factory.mktemp("decoders")
+    tokenizer = modeling.train_tokenizer("tiny-gpt2", TEXTS * 5)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2)).eval()
+    manifest = {"task": "causal-lm"}
+    export.export_onnx(model, tokenizer, root / "plain", TEXTS, manifest, max_len=64)
+    export_decoder.export_onnx(model, tokenizer, root / "cached", TEXTS, manifest, max_len=64)
+    return root / "plain", root / "cached"
+
+
+def decoded(directory: Path, prompt: str, sampling: Sampling) -> tuple[str, str | None, int]:
+    decoder = _load(directory)
+    assert isinstance(decoder, Decoder)
+    text, last = "", ("", None, 0)
+    for last in decoder.generate(decoder.encode(prompt), sampling):
+        text += last[0]
+    return text, last[1], last[2]
+
+
+def test_an_artifact_without_a_cache_decodes_the_same_tokens_more_slowly(exported: tuple[Path, Path]) -> None:
+    plain, cached = exported
+    assert json.loads((plain / MANIFEST).read_text()).get("kv_cache") is None
+    assert not _load(plain).kv_cache and _load(cached).kv_cache  # type: ignore[union-attr]
+    greedy = Sampling(12, temperature=0)
+    assert decoded(plain, "the a jumps", greedy) == decoded(cached, "the a jumps", greedy)
+    seeded = Sampling(12, temperature=1.0, top_p=0.9, seed=3)
+    assert decoded(cached, "the b", seeded) == decoded(plain, "the b", seeded)  # same seed, same sample
+
+
+def test_a_stop_text_ends_the_reply_and_is_not_returned(exported: tuple[Path, Path]) -> None:
+    _, cached = exported
+    full, _, _ = decoded(cached, "the a jumps", Sampling(12, temperature=0))
+    stop = full[3:6]
+    assert stop.strip(), full
+    text, reason, _ = decoded(cached, "the a jumps", Sampling(12, temperature=0, stop=[stop]))
+    assert (text, reason) == (full[: full.index(stop)], "stop")
+    _, reason, count = decoded(cached, "the a jumps", Sampling(5, temperature=0))
+    assert reason in ("length", "stop") and count <= 5
+
+
+def test_the_cache_holds_models_within_its_bytes(exported: tuple[Path, Path], tmp_path: Path) -> None:
+    """Archives fetched and checked, loaded once, the least recently used evicted to make room, and a model
+    over the whole bound refused by name."""
+    _, cached = exported
+    store = open_store(f"file://{tmp_path / 'objects'}")
+    refs = []
+    for name in ("one", "two"):
+        archive = tmp_path / f"{name}.tar"
+        (tmp_path / f"{name}.txt").write_text(name)  # two archives, two digests
+        with tarfile.open(archive, "w") as tar:
+            tar.add(cached, arcname="onnx")
+            tar.add(tmp_path / f"{name}.txt", arcname=f"onnx/{name}.txt")
+        store.put_path(f"models/{name}.tar", archive)
+        refs.append(Ref(name, f"models/{name}.tar", sha256_file(archive)))
+    size = sum(p.stat().st_size for p in cached.rglob("*") if p.is_file())
+    cache = ModelCache(store, tmp_path / "serve", max_bytes=int(size * 1.5))
+    first = cache.get(refs[0])
+    assert cache.get(refs[0]) is first and len(cache.entries) == 1  # loaded once
+    cache.get(refs[1])
+    assert list(cache.entries) == [refs[1].sha256] and not (tmp_path / "serve" / refs[0].sha256).exists()
+    small = ModelCache(store, tmp_path / "small", max_bytes=size // 2)
+    with pytest.raises(TooLarge, match=r"one is .* more than this server's whole model cache"):
+        small.get(refs[0])
