@@ -19,6 +19,19 @@ async function api(path) {
   return res.json();
 }
 
+// A POST to the API with the same key; the response itself (a stream is read by the caller).
+async function post(path, body) {
+  const key = localStorage.getItem("ortune.api_key");
+  const headers = { "Content-Type": "application/json", ...(key ? { Authorization: `Bearer ${key}` } : {}) };
+  const res = await fetch(path, { method: "POST", headers, body: JSON.stringify(body) });
+  if (!res.ok) {
+    let message = `${res.status} ${res.statusText}`;
+    try { message = (await res.json()).error.message; } catch (_) { /* not our error shape */ }
+    throw new Error(message);
+  }
+  return res;
+}
+
 function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs)) {
@@ -208,6 +221,59 @@ function renderTrials(job, trials) {
   document.querySelector("#trials tbody").replaceChildren(...rows);
 }
 
+// The playground of a succeeded job: chat with a causal LM (its reply streamed as it is decoded), or label
+// scores for a text from a classifier; both through the public inference endpoints.
+function setUpPlayground(job) {
+  const section = document.getElementById("playground");
+  if (!section.hidden || !job.fine_tuned_model) return;
+  section.hidden = false;
+  const chat = job.task === "causal-lm";
+  const input = document.getElementById("playground-input");
+  const output = document.getElementById("playground-output");
+  input.placeholder = chat ? "Say something to the model" : "A text to classify";
+  document.getElementById("playground-send").textContent = chat ? "Send" : "Score";
+  document.getElementById("playground-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    output.dataset.done = "0";
+    output.replaceChildren();
+    try {
+      if (chat) await streamChat(job.fine_tuned_model, input.value, output);
+      else await score(job.fine_tuned_model, input.value, output);
+    } catch (err) {
+      output.replaceChildren(el("span", { class: "error" }, err.message));
+    }
+    output.dataset.done = "1";
+  });
+}
+
+async function streamChat(model, text, output) {
+  const res = await post("/v1/chat/completions", {
+    model, messages: [{ role: "user", content: text }], max_tokens: 64, temperature: 0, stream: true,
+  });
+  const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
+  let pending = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    pending += value;
+    const events = pending.split("\n\n");
+    pending = events.pop();
+    for (const event of events) {
+      const data = event.replace(/^data: /, "");
+      if (data === "[DONE]") return;
+      const delta = JSON.parse(data).choices?.[0]?.delta?.content;
+      if (delta) output.append(delta);
+    }
+  }
+}
+
+async function score(model, text, output) {
+  const res = await post("/v1/predict", { model, inputs: [text] });
+  const [scores] = (await res.json()).data;
+  output.replaceChildren(...scores.map((s) => el("div", { class: "score", "data-label": s.label },
+    el("span", {}, s.label), el("span", { class: "mono" }, ` ${s.score.toFixed(4)}`))));
+}
+
 function jobView(jobId) {
   document.getElementById("job-view").hidden = false;
   document.getElementById("job-title").textContent = jobId;
@@ -225,7 +291,11 @@ function jobView(jobId) {
     renderEvents(events);
     renderCheckpoints(checkpoints);
     renderTrials(job, job.hyperparameter_search ? await api(`${base}/trials`) : { data: [] });
-    if (job.status === "succeeded") renderDownloads(await api(`${base}/artifacts`));
+    if (job.status === "succeeded") {
+      const artifacts = await api(`${base}/artifacts`);
+      renderDownloads(artifacts);
+      if (artifacts.some((a) => a.format === "onnx")) setUpPlayground(job);
+    }
     return !TERMINAL.has(job.status);
   });
 }

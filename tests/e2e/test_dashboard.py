@@ -12,7 +12,7 @@ import pytest
 from ortune.cli import embedded
 from ortune.cli.client import Client
 from ortune.db.migrate import upgrade
-from tests.support import DEMO, embedded_settings, wait_for
+from tests.support import DEMO, embedded_settings, wait_for, write_jsonl
 
 pytestmark = pytest.mark.e2e
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -105,6 +105,59 @@ def test_dashboard_lists_the_job_draws_its_curve_and_downloads(tmp_path: Path, b
             a for a in client.get(f"/v1/fine_tuning/jobs/{job['id']}/artifacts") if a["format"] == "onnx"
         )
         assert saved.stat().st_size == artifact["bytes"]
+
+        # the playground scores a text through /v1/predict, as the API answers it
+        text = "The headphones broke after two days honestly!"
+        page.fill("#playground-input", text)
+        page.click("#playground-send")
+        expect(page.locator("#playground-output")).to_have_attribute("data-done", "1", timeout=60_000)
+        shown = page.locator("#playground-output .score").first.get_attribute("data-label")
+        api = client.http.post("/v1/predict", json={"model": done["fine_tuned_model"], "inputs": [text]})
+        assert shown == api.json()["data"][0][0]["label"]
+    assert errors == []
+
+
+def test_the_playground_streams_a_chat_reply_that_matches_the_api(
+    tmp_path: Path, browser_page: object
+) -> None:
+    from playwright.sync_api import Page, expect
+
+    page = browser_page
+    assert isinstance(page, Page)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    settings = embedded_settings(tmp_path)
+    upgrade(settings.database_url)
+    chats = [
+        {"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": f"{w} {w}"}]}
+        for w in ("hello", "thanks", "please", "goodbye") * 8
+    ]
+    with embedded.start(settings, log_dir=tmp_path / "logs"):
+        client = Client(settings.api_url)
+        train = client.upload(write_jsonl(tmp_path / "chat.jsonl", chats))
+        job = client.create_job(
+            model="tiny-gpt2",
+            training_file=train["id"],
+            hyperparameters={"n_epochs": 4, "batch_size": 8, "learning_rate": 3e-3},
+        )
+        done = wait_for(client, job["id"], {"succeeded", "failed", "cancelled"})
+        assert done["status"] == "succeeded", done["error"]
+        page.goto(f"{settings.api_url}/dashboard/jobs/{job['id']}")
+        expect(page.locator("#playground")).to_be_visible(timeout=15_000)
+        page.fill("#playground-input", "say thanks")
+        page.click("#playground-send")
+        output = page.locator("#playground-output")
+        expect(output).to_have_attribute("data-done", "1", timeout=60_000)
+        reply = client.http.post(
+            "/v1/chat/completions",
+            json={
+                "model": done["fine_tuned_model"],
+                "messages": [{"role": "user", "content": "say thanks"}],
+                "max_tokens": 64,
+                "temperature": 0,
+            },
+        ).json()["choices"][0]["message"]["content"]
+        assert reply and output.inner_text() == reply
     assert errors == []
 
 
