@@ -12,7 +12,10 @@ router = APIRouter(prefix="/dashboard", tags=["dashboard"], include_in_schema=Fa
 
 
 @router.get("")
+@router.get("/files")
+@router.get("/compare")
 @router.get("/jobs/{job_id}")
 def dashboard(job_id: str | None = None) -> FileResponse:
-    """The same page for the list and a job; its script reads the path and polls /v1."""
+    """The same page for the jobs, the files, a comparison and a job; its script reads the path and polls
+    /v1."""
     return FileResponse(STATIC / "dashboard.html", headers={"Cache-Control": "no-cache"})

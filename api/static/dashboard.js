@@ -88,10 +88,13 @@ function poll(tick) {
 
 // ---- the job list ------------------------------------------------------------------------------------------
 
-function jobRow(job) {
+function jobRow(job, checked) {
   const link = el("a", { href: `/dashboard/jobs/${encodeURIComponent(job.id)}` }, job.id);
   const backend = job.backend_used ? `${job.backend_used}` : `${job.backend} (requested)`;
+  const box = el("input", { type: "checkbox", "data-compare": job.id, title: "compare its loss curve" });
+  box.checked = checked.has(job.id);
   return el("tr", { "data-job": job.id },
+    el("td", {}, box),
     el("td", { class: "mono" }, link),
     el("td", {}, job.model),
     el("td", {}, statusBadge(job.status)),
@@ -106,6 +109,16 @@ function listView() {
   const older = document.getElementById("older");
   let pages = 1;
   older.onclick = () => { pages += 1; };
+  const checked = new Set();
+  const compare = document.getElementById("compare");
+  body.addEventListener("change", (event) => {
+    const id = event.target.dataset.compare;
+    if (!id) return;
+    if (event.target.checked) checked.add(id); else checked.delete(id);
+    compare.disabled = checked.size < 2;
+  });
+  compare.onclick = () => { location.href = `/dashboard/compare?jobs=${[...checked].map(encodeURIComponent).join(",")}`; };
+  setUpNewJob();
   poll(async () => {
     const rows = [];
     let after = null, more = false;
@@ -116,11 +129,108 @@ function listView() {
       if (!more || !page.data.length) break;
       after = page.data[page.data.length - 1].id;
     }
-    body.replaceChildren(...rows.map(jobRow));
+    body.replaceChildren(...rows.map((job) => jobRow(job, checked)));
     document.getElementById("jobs-empty").hidden = rows.length > 0;
     older.hidden = !more;
     return true;
   });
+}
+
+// ---- a new job: upload a dataset, pick a base model and the common settings, submit ----------------------------
+
+async function fillChoices() {
+  const [models, files] = await Promise.all([api("/v1/models"), api("/v1/files?purpose=fine-tune")]);
+  // base models and this tenant's fine-tuned ones (a fine-tuned model is a base too)
+  document.getElementById("job-model").replaceChildren(...models.data.map((m) => el("option", { value: m.id }, m.id)));
+  const usable = files.data.filter((f) => f.status === "processed");
+  const option = (f) => el("option", { value: f.id }, `${f.filename} (${f.row_count} ${f.row_kind} rows, ${f.id})`);
+  document.getElementById("job-training-file").replaceChildren(...usable.map(option));
+  document.getElementById("job-validation-file").replaceChildren(el("option", { value: "" }, "none"), ...usable.map(option));
+}
+
+function setUpNewJob() {
+  fillChoices().catch(() => { /* a key may be needed first: the key form says so */ });
+  const status = document.getElementById("upload-status");
+  document.getElementById("upload-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const form = new FormData();
+    form.append("purpose", "fine-tune");
+    form.append("file", document.getElementById("upload-file").files[0]);
+    const key = localStorage.getItem("ortune.api_key");
+    status.textContent = "uploading…";
+    const res = await fetch("/v1/files", { method: "POST", body: form, headers: key ? { Authorization: `Bearer ${key}` } : {} });
+    const body = await res.json();
+    if (!res.ok) status.textContent = body.error.message;
+    else if (body.status === "error") status.textContent = `${body.filename} was refused: ${body.status_details}`;
+    else status.textContent = `${body.filename}: ${body.row_count} ${body.row_kind} rows, ${body.id}`;
+    status.dataset.status = res.ok ? body.status : "refused";
+    await fillChoices();
+  });
+  document.getElementById("job-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const value = (id) => document.getElementById(id).value;
+    const hp = {};
+    if (value("job-epochs")) hp.n_epochs = Number(value("job-epochs"));
+    if (value("job-batch")) hp.batch_size = Number(value("job-batch"));
+    if (value("job-lr")) hp.learning_rate_multiplier = Number(value("job-lr"));
+    const method = value("job-method");
+    const options = { hyperparameters: hp, ...(document.getElementById("job-lora").checked ? { lora: {} } : {}) };
+    const body = { model: value("job-model"), training_file: value("job-training-file"), method: { type: method, [method]: options } };
+    if (value("job-validation-file")) body.validation_file = value("job-validation-file");
+    const error = document.getElementById("job-form-error");
+    try {
+      const job = await (await post("/v1/fine_tuning/jobs", body)).json();
+      location.href = `/dashboard/jobs/${encodeURIComponent(job.id)}`;
+    } catch (err) {
+      error.hidden = false;
+      error.textContent = err.message;
+    }
+  });
+}
+
+// ---- files ------------------------------------------------------------------------------------------------------
+
+function filesView() {
+  document.getElementById("files-view").hidden = false;
+  const body = document.querySelector("#files tbody");
+  poll(async () => {
+    const files = await api("/v1/files");
+    body.replaceChildren(...files.data.map((f) => {
+      const remove = el("button", { type: "button", "data-delete": f.id }, "Delete");
+      remove.onclick = async () => {
+        const key = localStorage.getItem("ortune.api_key");
+        const res = await fetch(`/v1/files/${encodeURIComponent(f.id)}`, { method: "DELETE", headers: key ? { Authorization: `Bearer ${key}` } : {} });
+        if (!res.ok) remove.replaceWith(el("span", { class: "error" }, (await res.json()).error.message));
+        else remove.closest("tr").remove();
+      };
+      return el("tr", { "data-file": f.id },
+        el("td", { class: "mono" }, f.id), el("td", {}, f.filename), el("td", {}, statusBadge(f.status)),
+        el("td", {}, f.row_count), el("td", { class: "error" }, f.status_details || ""), el("td", {}, bytes(f.bytes)),
+        el("td", {}, remove));
+    }));
+    return true;
+  });
+}
+
+// ---- several jobs' loss curves on one chart -------------------------------------------------------------------
+
+async function compareView(ids) {
+  document.getElementById("compare-view").hidden = false;
+  const target = document.getElementById("compare-chart");
+  const series = await Promise.all(ids.map((id) =>
+    api(`/v1/fine_tuning/jobs/${encodeURIComponent(id)}/metrics?name=train_loss&max_points=1000`)));
+  const colours = ["#2f6fde", "#d9822b", "#2e9d5b", "#b03a9b", "#7a7a7a", "#c23b3b"];
+  const opts = {
+    width: Math.max(320, target.clientWidth || 900), height: 320, scales: { x: { time: false } },
+    axes: [{ label: "step" }, { label: "train loss" }],
+    series: [{ label: "step" }, ...ids.map((id, i) => ({ label: id, stroke: colours[i % colours.length], width: 1.5, spanGaps: true }))],
+  };
+  const data = uPlot.join(series.map((m) => {
+    const s = m.data.train_loss || { steps: [], values: [] };
+    return [s.steps, s.values];
+  }));
+  new uPlot(opts, data, target);
+  target.dataset.series = String(ids.length);
 }
 
 // ---- one job -------------------------------------------------------------------------------------------------
@@ -301,4 +411,8 @@ function jobView(jobId) {
 }
 
 const match = location.pathname.match(/^\/dashboard\/jobs\/([^/]+)\/?$/);
-if (match) jobView(decodeURIComponent(match[1])); else listView();
+if (match) jobView(decodeURIComponent(match[1]));
+else if (location.pathname.startsWith("/dashboard/files")) filesView();
+else if (location.pathname.startsWith("/dashboard/compare")) {
+  compareView((new URLSearchParams(location.search).get("jobs") || "").split(",").filter(Boolean));
+} else listView();

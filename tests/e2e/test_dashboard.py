@@ -221,3 +221,64 @@ def test_dashboard_asks_for_a_key_where_keys_are_required(tmp_path: Path, browse
         page.click("#key-form button")
         expect(page.locator("#jobs")).to_contain_text(job["id"])
         expect(page.locator("#key-form")).to_be_hidden()
+
+
+def test_a_job_from_the_form_the_files_page_and_a_comparison(tmp_path: Path, browser_page: object) -> None:
+    """The whole loop in the browser: an upload's line-precise refusal, a good upload, a job created from the
+    form (base model from /v1/models), the files page (status, problems, delete), and two jobs' loss curves
+    on one chart."""
+    from playwright.sync_api import Page, expect
+
+    page = browser_page
+    assert isinstance(page, Page)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    settings = embedded_settings(tmp_path)
+    upgrade(settings.database_url)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine", "label": "a"}\n{"text": "no label"}\n{"text": "b", "label": "b"}\n')
+    with embedded.start(settings, log_dir=tmp_path / "logs"):
+        client = Client(settings.api_url)
+        page.goto(f"{settings.api_url}/dashboard")
+        page.click("#new-job summary")
+        status = page.locator("#upload-status")
+        page.set_input_files("#upload-file", str(bad))
+        page.click("#upload-form button")
+        expect(status).to_have_attribute("data-status", "error")
+        expect(status).to_contain_text("line 2: a text row in a file of text_label rows")
+        page.set_input_files("#upload-file", str(DEMO / "sentiment_train.jsonl"))
+        page.click("#upload-form button")
+        expect(status).to_have_attribute("data-status", "processed")
+        good = next(f for f in client.get("/v1/files")["data"] if f["status"] == "processed")
+        page.select_option("#job-model", "tiny-bert")
+        page.select_option("#job-training-file", good["id"])
+        page.fill("#job-epochs", "1")
+        page.fill("#job-batch", "16")
+        page.click("#job-form button")
+        page.wait_for_url(re.compile(r".*/dashboard/jobs/ftjob-[0-9a-f]+$"))
+        from_form = page.url.rsplit("/", 1)[1]
+        made = client.job(from_form)
+        assert made["model"] == "tiny-bert" and made["hyperparameters"]["n_epochs"] == 1
+        other = client.create_job(
+            model="tiny-bert", training_file=good["id"], hyperparameters={"max_steps": 5, "batch_size": 16}
+        )
+        for job_id in (from_form, other["id"]):
+            done = wait_for(client, job_id, {"succeeded", "failed", "cancelled"})
+            assert done["status"] == "succeeded", done["error"]
+
+        page.goto(f"{settings.api_url}/dashboard")
+        for job_id in (from_form, other["id"]):
+            page.check(f'input[data-compare="{job_id}"]')
+        page.click("#compare")
+        page.wait_for_url(re.compile(r".*/dashboard/compare\?jobs=.*"))
+        expect(page.locator("#compare-chart")).to_have_attribute("data-series", "2")
+        assert page.locator("#compare-chart canvas").count() == 1
+
+        page.goto(f"{settings.api_url}/dashboard/files")
+        refused = next(f for f in client.get("/v1/files")["data"] if f["status"] == "error")
+        row = page.locator(f'tr[data-file="{refused["id"]}"]')
+        expect(row).to_contain_text("line 2: a text row in a file of text_label rows")
+        row.locator("button[data-delete]").click()
+        expect(row).to_have_count(0)
+        assert refused["id"] not in [f["id"] for f in client.get("/v1/files")["data"]]
+    assert errors == []
