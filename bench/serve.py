@@ -30,7 +30,9 @@ from ortune.cli import embedded
 from ortune.cli.client import Client
 from tests.support import TERMINAL, wait_for, write_jsonl
 
-QUESTION = [{"role": "user", "content": "What is 3 plus 4?"}]
+# a text completion: the chat-trained model never learned an end token outside the template, so every
+# stream decodes all its tokens and the figures measure decoding, not the length of an answer
+PROMPT = "<|im_start|>user\nWhat is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n3 plus 4 is 7."
 
 
 def direct(onnx_dir: Path, streams: int, tokens: int) -> dict[str, Any]:
@@ -41,14 +43,12 @@ def direct(onnx_dir: Path, streams: int, tokens: int) -> dict[str, Any]:
     manifest = __import__("json").loads((onnx_dir / MANIFEST).read_text())
     session = ort.InferenceSession(str(onnx_dir / "model.onnx"), providers=["CPUExecutionProvider"])
     decoder = Decoder(onnx_dir, session, manifest)
-    prompt, stops = decoder.chat_prompt(QUESTION)
+    prompt = decoder.encode(PROMPT)
 
     def one() -> tuple[float, int]:
         t0 = time.perf_counter()
         first, generated = None, 0
-        for text, _, so_far in decoder.generate(
-            prompt, Sampling(tokens, temperature=1.0, seed=1, stop=stops)
-        ):
+        for text, _, so_far in decoder.generate(prompt, Sampling(tokens, temperature=1.0, seed=1)):
             if text:
                 first = first or time.perf_counter() - t0
             generated = so_far
@@ -61,16 +61,11 @@ def service(client: openai.OpenAI, name: str, streams: int, tokens: int) -> dict
     def one() -> tuple[float, int]:
         t0 = time.perf_counter()
         first, count = None, 0
-        stream = client.chat.completions.create(
-            model=name,
-            messages=QUESTION,
-            max_tokens=tokens,
-            temperature=1.0,
-            seed=1,
-            stream=True,  # type: ignore[arg-type]
+        stream = client.completions.create(
+            model=name, prompt=PROMPT, max_tokens=tokens, temperature=1.0, seed=1, stream=True
         )
         for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
+            if chunk.choices and chunk.choices[0].text:
                 first = first or time.perf_counter() - t0
             if chunk.usage is not None:
                 count = chunk.usage.completion_tokens
@@ -143,7 +138,8 @@ def main() -> None:
     ratio8 = rows["service, 8 stream(s)"]["tokens_per_s"] / rows["direct, 8 stream(s)"]["tokens_per_s"]
     ratio1 = rows["service, 1 stream(s)"]["tokens_per_s"] / rows["direct, 1 stream(s)"]["tokens_per_s"]
     lines = [
-        f"### serve (small-llama ONNX with KV cache, {args.tokens} new tokens a stream, sampled; embedded)",
+        f"### serve (small-llama ONNX with KV cache, text completions of up to {args.tokens} tokens a "
+        "stream, sampled; embedded)",
         "",
         "| run | tokens/s | TTFT median | TTFT slowest | tokens |",
         "| --- | --- | --- | --- | --- |",
