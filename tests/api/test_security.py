@@ -32,6 +32,8 @@ ADMIN_ONLY = {
     "/v1/nodes",
 }
 LISTS = {"/v1/files", "/v1/fine_tuning/jobs", "/v1/models"}
+# Paths that name a model in their body: another tenant's model does not exist for you there either.
+INFERENCE = {"/v1/chat/completions", "/v1/completions", "/v1/predict"}
 
 
 @pytest.fixture
@@ -83,17 +85,16 @@ def test_every_path_is_scoped_to_its_tenant(secured: TestClient, settings: Setti
         session.execute(
             update(Job).where(Job.id == job["id"]).values(status=JobStatus.succeeded, fine_tuned_model=model)
         )
-        ArtifactRepository(session).put(
-            Artifact(
-                job_id=job["id"], format="pytorch", object_key="k", bytes=1, sha256="0" * 64, manifest={}
+        for fmt in ("pytorch", "onnx"):
+            ArtifactRepository(session).put(
+                Artifact(job_id=job["id"], format=fmt, object_key="k", bytes=1, sha256="0" * 64, manifest={})
             )
-        )
     ids = {"job_id": job["id"], "file_id": file["id"], "model_id": model, "fmt": "pytorch"}
 
     paths = secured.app.openapi()["paths"]  # type: ignore[attr-defined]
     checked = 0
     for path, operations in paths.items():
-        if path in PUBLIC | ADMIN_ONLY | LISTS:
+        if path in PUBLIC | ADMIN_ONLY | LISTS | INFERENCE:
             continue
         params = set(re.findall(r"{(\w+)(?::path)?}", path))
         assert params and params <= set(ids), (
@@ -105,6 +106,18 @@ def test_every_path_is_scoped_to_its_tenant(secured: TestClient, settings: Setti
             assert for_bob.status_code == 404, (method, path, for_bob.text)  # never 403: it does not exist
             checked += 1
     assert checked >= 14
+
+    bodies = {
+        "/v1/chat/completions": {"model": model, "messages": [{"role": "user", "content": "hi"}]},
+        "/v1/completions": {"model": model, "prompt": "hi"},
+        "/v1/predict": {"model": model, "inputs": "hi"},
+    }
+    assert set(bodies) == INFERENCE
+    for path, body in bodies.items():
+        for_bob = secured.post(path, json=body, headers=bearer(bob))
+        assert for_bob.status_code == 404 and for_bob.json()["error"]["code"] == "model_not_found", path
+    # alice's own model passes the check and is forwarded (nothing serves it here: 503)
+    assert secured.post("/v1/predict", json=bodies["/v1/predict"], headers=bearer(alice)).status_code == 503
 
     for path in LISTS:
         listed = secured.get(path, headers=bearer(bob)).json()["data"]
