@@ -137,8 +137,9 @@ def finish(settings: Settings, job: Job, outcome: Outcome) -> None:
                 lifecycle.superseded(session, job.id, attempt, WORKER)
                 return
             case JobStatus.succeeded:
-                _attach_results(session, settings, job)
-                lifecycle.succeed(session, job, attempt)
+                # fenced first: an attempt that was superseded while it finished attaches nothing
+                if lifecycle.succeed(session, job, attempt):
+                    _attach_results(session, settings, job)
             case JobStatus.failed:
                 lifecycle.fail(
                     session, job.id, attempt, outcome.error or {"code": "unknown", "message": None}
@@ -155,16 +156,17 @@ def finish(settings: Settings, job: Job, outcome: Outcome) -> None:
 def _attach_results(session: Session, settings: Settings, job: Job) -> None:
     """The job's step-metrics file (worker/results.py). Its model is stored already: a storage refusal
     here costs the job that file only, said in its events."""
-    from worker.results import attach
+    from worker import results
     from worker.staging import store_of
 
     try:
-        with session.begin_nested():
-            attach(session, store_of(settings), job)
+        file = results.store(settings, store_of(settings), job)
     except StorageUnavailable as exc:
         EventRepository(session).add(
             job.id, f"The step-metrics result file could not be stored: {exc}", level="warn"
         )
+        return
+    results.record(session, job, file)
 
 
 def requeue(settings: Settings, job: Job, because: str) -> None:

@@ -12,6 +12,8 @@ from sqlalchemy.orm import Session
 from ortune.db.base import new_id
 from ortune.db.models import File, FileStatus, Job
 from ortune.db.repositories import FileRepository, JobRepository, MetricRepository
+from ortune.db.session import session_scope
+from ortune.settings import Settings
 from ortune.storage import ObjectStore
 
 # our series under the column names OpenAI's step-metrics file uses, where it has one
@@ -46,26 +48,32 @@ def step_metrics_csv(session: Session, job_id: str) -> tuple[bytes, int]:
     return out.getvalue().encode(), len(by_step)
 
 
-def attach(session: Session, store: ObjectStore, job: Job) -> str:
-    """Store the step-metrics file and list it on the job; its id."""
-    data, rows = step_metrics_csv(session, job.id)
+def store(settings: Settings, objects: ObjectStore, job: Job) -> File:
+    """Write the step-metrics file to object storage: the file's row, not added yet. The metrics are read in
+    a transaction of their own: on SQLite a transaction that reads, waits on storage and then writes can
+    find its snapshot stale and fail at once ("database is locked"), so the caller's transaction writes
+    first."""
+    with session_scope(settings.database_url) as session:
+        data, rows = step_metrics_csv(session, job.id)
     file_id = new_id("file")
     key = f"files/{file_id}.csv"
-    store.put_fileobj(key, io.BytesIO(data))
-    FileRepository(session).add(
-        File(
-            id=file_id,
-            tenant_id=job.tenant_id,
-            filename="step_metrics.csv",
-            purpose="fine-tune-results",
-            bytes=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
-            object_key=key,
-            status=FileStatus.processed,
-            row_count=rows,
-        )
+    objects.put_fileobj(key, io.BytesIO(data))
+    return File(
+        id=file_id,
+        tenant_id=job.tenant_id,
+        filename="step_metrics.csv",
+        purpose="fine-tune-results",
+        bytes=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        object_key=key,
+        status=FileStatus.processed,
+        row_count=rows,
     )
+
+
+def record(session: Session, job: Job, file: File) -> None:
+    """Add the stored file and list it in the job's `result_files`."""
+    FileRepository(session).add(file)
     current = JobRepository(session).get(job.id)
     if current is not None:
-        current.result = {**(current.result or {}), "result_files": [file_id]}
-    return file_id
+        current.result = {**(current.result or {}), "result_files": [file.id]}
