@@ -121,7 +121,6 @@ def build(
         return _dpo_trainer(spec, choice, model, tokenizer, train, valid, events, cuda=cuda, stop=stop)
     args = training_arguments(spec, choice, cuda=cuda, has_eval=valid is not None)
     hp = spec.hyperparameters
-    samples_per_step = hp.batch_size * hp.gradient_accumulation_steps
     collator = Collator(tokenizer.pad_token_id, spec.task)
     train_set: Any = train
     if spec.packing:
@@ -139,12 +138,20 @@ def build(
         # saved into every checkpoint: a checkpoint is then a model a later job can start from
         processing_class=tokenizer,
         compute_metrics=accuracy if spec.task == "sequence-classification" else None,
-        callbacks=[
-            EventCallback(events, samples_per_step, collator.padding_fraction),
-            CheckpointPacing(spec.min_checkpoint_seconds, events),
-            *([stop] if stop else []),  # after the pacing: a pause's checkpoint is always taken
-        ],
+        callbacks=_callbacks(spec, events, collator, stop),
     )
+
+
+def _callbacks(
+    spec: TrainingSpec, events: EventStream, collator: Collator, stop: StopOnRequest | None
+) -> list[Any]:
+    """What every method's trainer reports through: its events, the checkpoint floor, and a stop."""
+    hp = spec.hyperparameters
+    return [
+        EventCallback(events, hp.batch_size * hp.gradient_accumulation_steps, collator.padding_fraction),
+        CheckpointPacing(spec.min_checkpoint_seconds, events),
+        *([stop] if stop else []),  # after the pacing: a pause's checkpoint is always taken
+    ]
 
 
 def _packed(
@@ -203,9 +210,5 @@ def _dpo_trainer(
         eval_dataset=dpo.index("valid", valid) if valid is not None else None,
         processing_class=tokenizer,
         train_sampler=BucketSampler(dpo.pair_lengths(train), hp.batch_size, spec.seed),
-        callbacks=[
-            EventCallback(events, hp.batch_size * hp.gradient_accumulation_steps, collator.padding_fraction),
-            CheckpointPacing(spec.min_checkpoint_seconds, events),
-            *([stop] if stop else []),
-        ],
+        callbacks=_callbacks(spec, events, collator, stop),
     )
