@@ -7,9 +7,13 @@ const CHART_SERIES = ["train_loss", "eval_loss"];
 
 // Where the deployment requires API keys, a 401 shows a key form; the key is kept in localStorage under
 // "ortune.api_key" and sent as a bearer token.
-async function api(path) {
+function authHeaders() {
   const key = localStorage.getItem("ortune.api_key");
-  const res = await fetch(path, { headers: key ? { Authorization: `Bearer ${key}` } : {} });
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
+async function api(path) {
+  const res = await fetch(path, { headers: authHeaders() });
   if (res.status === 401) document.getElementById("key-form").hidden = false;
   if (!res.ok) {
     let message = `${res.status} ${res.statusText}`;
@@ -21,8 +25,7 @@ async function api(path) {
 
 // A POST to the API with the same key; the response itself (a stream is read by the caller).
 async function post(path, body) {
-  const key = localStorage.getItem("ortune.api_key");
-  const headers = { "Content-Type": "application/json", ...(key ? { Authorization: `Bearer ${key}` } : {}) };
+  const headers = { "Content-Type": "application/json", ...authHeaders() };
   const res = await fetch(path, { method: "POST", headers, body: JSON.stringify(body) });
   if (!res.ok) {
     let message = `${res.status} ${res.statusText}`;
@@ -156,9 +159,8 @@ function setUpNewJob() {
     const form = new FormData();
     form.append("purpose", "fine-tune");
     form.append("file", document.getElementById("upload-file").files[0]);
-    const key = localStorage.getItem("ortune.api_key");
     status.textContent = "uploading…";
-    const res = await fetch("/v1/files", { method: "POST", body: form, headers: key ? { Authorization: `Bearer ${key}` } : {} });
+    const res = await fetch("/v1/files", { method: "POST", body: form, headers: authHeaders() });
     const body = await res.json();
     if (!res.ok) status.textContent = body.error.message;
     else if (body.status === "error") status.textContent = `${body.filename} was refused: ${body.status_details}`;
@@ -198,8 +200,7 @@ function filesView() {
     body.replaceChildren(...files.data.map((f) => {
       const remove = el("button", { type: "button", "data-delete": f.id }, "Delete");
       remove.onclick = async () => {
-        const key = localStorage.getItem("ortune.api_key");
-        const res = await fetch(`/v1/files/${encodeURIComponent(f.id)}`, { method: "DELETE", headers: key ? { Authorization: `Bearer ${key}` } : {} });
+        const res = await fetch(`/v1/files/${encodeURIComponent(f.id)}`, { method: "DELETE", headers: authHeaders() });
         if (!res.ok) remove.replaceWith(el("span", { class: "error" }, (await res.json()).error.message));
         else remove.closest("tr").remove();
       };

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -12,6 +13,19 @@ from ortune.cli.client import Client
 from tests.support import DEMO, preference_rows, write_jsonl
 
 pytestmark = pytest.mark.e2e
+
+
+def finished(client: openai.OpenAI, job_id: str, timeout: float = 300) -> Any:
+    """The job, polled through the client until it ends."""
+    deadline = time.monotonic() + timeout
+    while (job := client.fine_tuning.jobs.retrieve(job_id)).status not in (
+        "succeeded",
+        "failed",
+        "cancelled",
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    return job
 
 
 @pytest.mark.parametrize("settings", ["production"], indirect=True)
@@ -29,14 +43,7 @@ def test_openai_client_runs_a_job(service: Client, tmp_path: Path) -> None:
     )
     assert job.status == "queued" and job.hyperparameters.n_epochs == 1
     assert [j.id for j in client.fine_tuning.jobs.list(limit=10)] == [job.id]
-    deadline = time.monotonic() + 300
-    while (job := client.fine_tuning.jobs.retrieve(job.id)).status not in (
-        "succeeded",
-        "failed",
-        "cancelled",
-    ):
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
+    job = finished(client, job.id)
     assert job.status == "succeeded" and job.fine_tuned_model == f"ft:tiny-bert:oa:{job.id}"
     events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
     assert events[0].message.startswith("The job has successfully completed")
@@ -76,14 +83,7 @@ def test_openai_client_creates_a_dpo_job_with_method(service: Client, tmp_path: 
     assert job.method is not None and job.method.type == "dpo"
     assert job.method.dpo is not None and job.method.dpo.hyperparameters is not None
     assert job.method.dpo.hyperparameters.beta == 0.2
-    deadline = time.monotonic() + 300
-    while (job := client.fine_tuning.jobs.retrieve(job.id)).status not in (
-        "succeeded",
-        "failed",
-        "cancelled",
-    ):
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
+    job = finished(client, job.id)
     assert job.status == "succeeded", job.error
     assert any(
         e.type == "metrics" and "reward_margin" in e.message
