@@ -9,6 +9,7 @@ from typing import Annotated, Any, Generic, Literal, Protocol, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ortune.db.models import Artifact, Checkpoint, File, Job, JobEvent
+from ortune.integrations import Integration
 from ortune.search_space import HyperparameterSearch
 from trainer_core.spec import (
     Auto,
@@ -161,6 +162,7 @@ class JobCreate(BaseModel):
     priority: Annotated[int, Field(ge=-100, le=100)] = 0
     distributed: Distributed | None = None
     hyperparameter_search: HyperparameterSearch | None = None
+    integrations: Annotated[list[Integration], Field(max_length=4)] = []
 
     @field_validator("metadata")
     @classmethod
@@ -303,6 +305,7 @@ class FineTuningJob(BaseModel):
             parent_job_id=job.parent_id,
             search_params=spec.search_params,
             distributed=spec.distributed.model_dump(mode="json"),
+            integrations=[i.model_dump(mode="json") for i in spec.integrations],
         )
 
 

@@ -3,8 +3,10 @@ tokens/s and time to first token for 1 and for 8 concurrent streams (target: the
 >= 0.8x of direct throughput), and the inference process's memory with its cache setting.
 
 The model: small-llama (bench/llm_methods) fine-tuned briefly through the embedded service, so the artifact
-is the service's own KV-cache export. Direct runs use serve.models.Decoder in this process (the same decoding
-code, no HTTP, no API); service runs stream through the official openai client.
+is the service's own KV-cache export. Direct runs use serve.models.Decoder.solo in this process: the same
+decoding code, no HTTP, no API, each stream its own ONNX Runtime calls on its own thread (what a program of
+one's own would do); service runs stream through the official openai client, and the inference process
+batches the concurrent streams' steps.
 
     python -m bench.serve [--out bench/results] [--tokens 64]
 """
@@ -48,7 +50,7 @@ def direct(onnx_dir: Path, streams: int, tokens: int) -> dict[str, Any]:
     def one() -> tuple[float, int]:
         t0 = time.perf_counter()
         first, generated = None, 0
-        for text, _, so_far in decoder.generate(prompt, Sampling(tokens, temperature=1.0, seed=1)):
+        for text, _, so_far in decoder.solo(prompt, Sampling(tokens, temperature=1.0, seed=1)):
             if text:
                 first = first or time.perf_counter() - t0
             generated = so_far

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_serializer
 
+from ortune.integrations import MlflowIntegration
 from ortune.search_space import HyperparameterSearch
 from trainer_core.spec import (
     Backend,
@@ -58,6 +59,7 @@ class JobSpec(BaseModel):
     requested_hyperparameters: Hyperparameters = Hyperparameters()
     resolved_hyperparameters: ResolvedHyperparameters
     hyperparameter_search: HyperparameterSearch | None = None
+    integrations: list[MlflowIntegration] = []  # where else the run is logged (the worker does it)
     # A search trial's own parameters (a child job of a search).
     search_params: dict[str, float | int] | None = None
 

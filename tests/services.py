@@ -315,3 +315,39 @@ class RedisServer:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+@contextmanager
+def mlflow_server(tmp: Path) -> Iterator[str]:
+    """A real MLflow tracking server (`mlflow server` from its PyPI package) on a free port, its runs in a
+    SQLite file and its artifacts served over HTTP from a folder of this run's own; its URL."""
+    port = free_port()
+    binary = Path(sys.executable).parent / "mlflow"
+    log = (tmp / "mlflow.log").open("w")
+    proc = subprocess.Popen(
+        [
+            str(binary) if binary.exists() else "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{tmp / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(tmp / "artifacts"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, "mlflow server", timeout=120)
+        yield url
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(20)
+        log.close()

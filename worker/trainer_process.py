@@ -29,7 +29,7 @@ from ortune.settings import Settings
 from ortune.storage import ObjectStore, StorageUnavailable, pack_dir
 from trainer_core.contract import EXIT_STOPPED, die_with_parent, log_tail
 from trainer_core.spec import TrainingSpec
-from worker import retention
+from worker import integrations, retention
 from worker.attempt import DRAINING, WORKER, Outcome
 from worker.memory import MemoryWatch
 from worker.relay import Relay, reader
@@ -103,6 +103,8 @@ class TrainerProcess:
         self.relay = Relay(
             settings.database_url, job.id, job.attempt, patience_s=settings.heartbeat_timeout_seconds / 2
         )
+        # the job's MLflow runs (rank 0's node only: the one that relays and stores); none while tokenizing
+        self.tracking = [] if prepare else integrations.runs_for(job, self.relay)
         self.artifacts: set[str] = set()
         self.result: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
@@ -110,6 +112,14 @@ class TrainerProcess:
         self.stopped_at: int | None = None  # the step the trainer stopped at on request, once it says so
 
     def run(self) -> Outcome:
+        for run in self.tracking:
+            run.start()
+        outcome = self._run()
+        for run in self.tracking:
+            run.end(outcome.status)
+        return outcome
+
+    def _run(self) -> Outcome:
         log_path = self.workdir / ("prepare.log" if self.prepare else "trainer.log")
         limit = self.settings.trainer_memory_bytes
         with log_path.open("w") as log_file:
@@ -209,6 +219,8 @@ class TrainerProcess:
             due = time.monotonic() - last_flush >= self.settings.event_flush_seconds
             if done or due or len(self.relay.batch) >= self.settings.event_batch_size:
                 status = self.relay.flush()
+                for run in self.tracking:
+                    run.flush()
                 last_flush = time.monotonic()
                 if (ended := self._ended(proc, status)) is not None:
                     return ended
@@ -248,6 +260,8 @@ class TrainerProcess:
             if self.phase.startswith("training") and event.get("step"):
                 self.phase = f"training step {event['step']}"
             self.relay.add(event)
+            for run in self.tracking:
+                run.add(event)
         elif kind == "checkpoint":
             self._upload_checkpoint(event)
         elif kind == "artifact":
@@ -361,3 +375,5 @@ class TrainerProcess:
             )
         self.artifacts.add(fmt)
         self.relay.message(f"Stored the {fmt} model ({size:,} bytes, sha256 {digest[:12]}…)")
+        for run in self.tracking:
+            run.model(fmt, path)

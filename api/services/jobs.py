@@ -25,6 +25,7 @@ from ortune.db.repositories import (
     TenantRepository,
     never_fits,
 )
+from ortune.integrations import WANDB_REFUSED
 from ortune.jobspec import BaseModelRef, JobSpec
 from ortune.queue import enqueue_for, on_commit
 from ortune.search_space import HyperparameterSearch
@@ -145,6 +146,9 @@ def create(
             "under PyTorch); use backend auto or torch",
             param="backend",
         )
+    for i, integration in enumerate(req.integrations):
+        if integration.type == "wandb":
+            raise APIError(WANDB_REFUSED, param=f"integrations[{i}]", code="unsupported_integration")
     dist = req.distributed or Distributed()
     searching = req.hyperparameter_search is not None
     if dist.world_size > 1:
@@ -168,6 +172,7 @@ def create(
         dpo=req.dpo(),
         packing=req.packing(),
         base=base,
+        integrations=[a for i in req.integrations if (a := i.accepted()) is not None],
     )
     _check_length(spec, train.row_count or 0, settings.max_steps)
     tenant = _check_quota(session, settings, caller)

@@ -10,6 +10,7 @@ import httpx
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -54,9 +55,9 @@ def up(
         if serve:
             console.print(f"inference (ortune serve) at {settings.serve_url}, reached through the API")
         try:
-            while all(p.poll() is None for p in services.procs):
+            while (exited := services.exited()) is None:
                 time.sleep(0.5)
-            console.print("[red]a service process exited; stopping[/]")
+            console.print("[red]stopping:[/] " + escape(exited))
             raise typer.Exit(1)
         except KeyboardInterrupt:
             console.print("stopping")

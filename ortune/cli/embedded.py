@@ -38,6 +38,22 @@ def child_env(settings: Settings) -> dict[str, str]:
 class Services:
     settings: Settings
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    logs: list[tuple[str, Path]] = field(default_factory=list)  # each process's name and log, as procs
+
+    def add(self, name: str, log: Path, command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        with log.open("ab") as out:
+            proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        self.logs.append((name, log))
+        return proc
+
+    def exited(self) -> str | None:
+        """Which process has exited, with its code and the end of its log; None while all run."""
+        for proc, (name, log) in zip(self.procs, self.logs, strict=True):
+            if proc.poll() is not None:
+                tail = "".join(log.read_text(errors="replace").splitlines(True)[-5:]).rstrip()
+                return f"the {name} process exited with code {proc.returncode} (log {log}):\n{tail}"
+        return None
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -149,19 +165,11 @@ def start(
     services = Services(settings)
     try:
         if worker:
-            with (log_dir / "worker.log").open("ab") as log:
-                services.procs.append(
-                    subprocess.Popen(worker_command(settings), env=env, stdout=log, stderr=subprocess.STDOUT)
-                )
+            services.add("worker", log_dir / "worker.log", worker_command(settings), env)
         if serve:  # the inference process the API forwards /v1/chat/completions and /v1/predict to
-            with (log_dir / "serve.log").open("ab") as log:
-                services.procs.append(
-                    subprocess.Popen(serve_command(settings), env=env, stdout=log, stderr=subprocess.STDOUT)
-                )
+            services.add("inference (ortune serve)", log_dir / "serve.log", serve_command(settings), env)
         if api:
-            with (log_dir / "api.log").open("ab") as log:
-                proc = subprocess.Popen(api_command(settings), env=env, stdout=log, stderr=subprocess.STDOUT)
-            services.procs.append(proc)
+            proc = services.add("API", log_dir / "api.log", api_command(settings), env)
             wait_healthy(settings.api_url, proc=proc)
     except BaseException:
         services.stop()

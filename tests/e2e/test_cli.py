@@ -96,3 +96,37 @@ def test_an_unreachable_api_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "cannot reach the ortune API" in result.stdout and "127.0.0.1:9" in result.stdout
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_up_names_the_process_that_exited(tmp_path: Path) -> None:
+    """`ortune up` stops when one of its processes dies, and says which one, with its code and its log."""
+    import signal
+
+    import psutil
+
+    from tests.support import wait_until
+
+    settings = embedded_settings(tmp_path)
+    env = {**os.environ, **embedded.child_env(settings), "COLUMNS": "200", "PYTHONPATH": str(ROOT)}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "ortune.cli", "up"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert up.stdout is not None
+        assert "ortune is up" in up.stdout.readline()
+
+        def inference() -> psutil.Process | None:
+            found = [p for p in psutil.Process(up.pid).children() if "serve.app:app" in " ".join(p.cmdline())]
+            return found[0] if found else None
+
+        killed = wait_until("the inference process", inference)
+        assert killed is not None
+        killed.send_signal(signal.SIGKILL)
+        out, _ = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 1
+    said = " ".join(out.split())
+    assert "stopping: the inference (ortune serve) process exited with code -9" in said, out
+    assert "serve.log" in said

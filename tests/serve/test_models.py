@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ortune.storage import open_store, sha256_file
 from serve.models import MANIFEST, Decoder, ModelCache, Ref, Sampling, TooLarge, _load
+from tests.support import wait_until
 from trainer_core import export, export_decoder, modeling
 
 TEXTS = [f"the {w} jumps over the lazy {v} again" for w in "abcd" for v in "wxyz"]
@@ -85,3 +88,54 @@ def test_the_cache_holds_models_within_its_bytes(exported: tuple[Path, Path], tm
     small = ModelCache(store, tmp_path / "small", max_bytes=size // 2)
     with pytest.raises(TooLarge, match=r"one is .* more than this server's whole model cache"):
         small.get(refs[0])
+
+
+def test_concurrent_requests_share_steps_and_get_their_solo_tokens(exported: tuple[Path, Path]) -> None:
+    """Requests of different prompt lengths, arriving together and while others decode, are batched (fewer
+    ONNX Runtime calls than tokens) and each gets exactly its solo reply, greedy or seeded; a request that
+    leaves mid-stream frees its row without disturbing the others."""
+    import threading
+
+    _, cached = exported
+    decoder = _load(cached)
+    assert isinstance(decoder, Decoder)
+    asks = [
+        ("the a", Sampling(14, temperature=0)),
+        ("the b jumps over the lazy w again the c", Sampling(9, temperature=0)),
+        ("the c jumps", Sampling(16, temperature=1.0, top_p=0.9, seed=5)),
+        ("the d jumps over", Sampling(12, temperature=0.7, seed=11)),
+    ]
+
+    def reply(pieces: Iterator[tuple[str, str | None, int]]) -> tuple[str, str | None, int]:
+        # the text, the finish reason and the token count (a slow reader may get pieces joined)
+        got = list(pieces)
+        return "".join(p[0] for p in got), got[-1][1], got[-1][2]
+
+    alone = [reply(decoder.solo(decoder.encode(p), s)) for p, s in asks]
+    rows: list[int] = []  # the batch size of each ONNX Runtime call
+    run = decoder.session.run
+
+    def counted(names: object, feed: dict[str, Any]) -> object:
+        rows.append(len(feed["input_ids"]))
+        return run(names, feed)
+
+    decoder.session = type("Counted", (), {"run": staticmethod(counted)})()
+    together: list[tuple[str, str | None, int] | None] = [None for _ in asks]
+    start = threading.Barrier(len(asks) + 1)
+
+    def ask(i: int) -> None:
+        start.wait()
+        together[i] = reply(decoder.generate(decoder.encode(asks[i][0]), asks[i][1]))
+
+    leaver = decoder.generate(decoder.encode("the a jumps"), Sampling(500, temperature=0))
+    next(leaver)  # decoding in the batch before the others arrive
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))]
+    for t in threads:
+        t.start()
+    start.wait()
+    for t in threads:
+        t.join(timeout=60)
+    assert together == alone
+    assert max(rows) == len(asks) + 1, rows  # everyone decoding in one call
+    leaver.close()  # the client went away mid-reply: its row leaves, and the idle batch stops
+    wait_until("the idle batch to stop", lambda: not decoder.batch.running, timeout=10)
