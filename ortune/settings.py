@@ -63,6 +63,10 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(default=1 * MiB, ge=1024)  # any other request body (JSON)
     max_rows: int = 2_000_000
     max_row_chars: int = Field(default=1 * MiB, ge=1024)  # one JSONL line, or one line of a CSV file
+    # image and audio archives (.zip, .tar, .tar.gz): checked member by member at upload, never unpacked
+    max_archive_members: int = Field(default=200_000, ge=1)
+    max_archive_bytes: int = Field(default=8 * 1024 * MiB, ge=1)  # uncompressed, all members together
+    max_compression_ratio: float = Field(default=200.0, gt=1)  # uncompressed / compressed: zip bombs
     max_steps: int = 1_000_000
     max_concurrent_jobs: int = Field(default=16, ge=1, description="Unfinished jobs per tenant at once.")
     # Bytes a tenant may keep in object storage (uploads, checkpoints, models); a tenant's own

@@ -49,6 +49,8 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
         backends,
         export,
         export_decoder,
+        export_media,
+        mediastore,
         modeling,
         ort_trainer,
         precision,
@@ -159,23 +161,29 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     # DPO's did, left autocast in place, and its bf16 greedy decoding then disagreed with ONNX's)
     del model
     model = modeling.from_directory(out / "pytorch", spec.task)
-    exporter = export_decoder.export_onnx if spec.task == "causal-lm" else export.export_onnx
     try:
-        onnx = exporter(
-            model,
-            loaded.tokenizer,
-            out / "onnx",
-            samples,
-            manifest,
-            max_len=spec.hyperparameters.max_seq_length,
-        )
+        if mediastore.is_media(spec.task):  # checked on the held-out rows as the collator batches them
+            collator = trainer.collator_for(spec, loaded.tokenizer, valid_set or train_set)
+            onnx = export_media.export_onnx(
+                model, loaded.tokenizer, out / "onnx", valid_set or train_set, collator, manifest
+            )
+        else:
+            exporter = export_decoder.export_onnx if spec.task == "causal-lm" else export.export_onnx
+            onnx = exporter(
+                model,
+                loaded.tokenizer,
+                out / "onnx",
+                samples,
+                manifest,
+                max_len=spec.hyperparameters.max_seq_length,
+            )
         events.emit("artifact", format="onnx", path=str(out / "onnx"), manifest=onnx)
         parity = onnx["parity"]["max_abs_diff"]
     except export.ExportError as exc:
         # the training succeeded and its PyTorch model is stored: a failed export costs that artifact only
         failed["onnx"] = str(exc)
         events.message(f"{exc}; the job keeps its PyTorch model", level="warn", format="onnx")
-    tokens = train_set.meta.tokens * spec.hyperparameters.n_epochs
+    tokens = train_set.meta.tokens * spec.hyperparameters.n_epochs or None  # None: media trains on no tokens
     events.emit(
         "result",
         metrics=final,
@@ -198,12 +206,12 @@ def _measure(spec: TrainingSpec, choice: Any, loaded: Any, train_set: Any, *, cu
     ORT won, its ORTModule."""
     import torch
 
-    from trainer_core import backends, data
+    from trainer_core import backends, data, trainer
 
     hp = spec.hyperparameters
     per_epoch = -(-len(train_set) // hp.batch_size)
     order = iter(data.BucketSampler(train_set.lengths, hp.batch_size, spec.seed))
-    collate = data.Collator(loaded.tokenizer.pad_token_id, spec.task)
+    collate = trainer.collator_for(spec, loaded.tokenizer, train_set)
     batches = []
     for _ in range(min(3, per_epoch)):  # the job's first batches, as its sampler orders them
         rows = [train_set[i] for _, i in zip(range(hp.batch_size), order, strict=False)]

@@ -125,17 +125,20 @@ def load(
 
     A built model takes `tokenizer` (the one its data was tokenized with) or learns one from `texts`."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoTokenizer
 
     label_kw: dict[str, Any] = {}
-    if spec.task == "sequence-classification":
+    if spec.task.endswith("-classification"):
         names = [str(label) for label in spec.labels]
         label_kw = {
             "num_labels": len(names),
             "id2label": dict(enumerate(names)),
             "label2id": {n: i for i, n in enumerate(names)},
         }
-    if info.source == "built":
+    if info.source == "built" and info.id in ("tiny-vit", "tiny-audio"):
+        loaded = Loaded(_build_media(info.id, label_kw), tokenizer)
+        loaded.model.config._attn_implementation = attn_implementation
+    elif info.source == "built":
         loaded = _build(info, spec, tokenizer or train_tokenizer(info.id, texts), label_kw)
         loaded.model.config._attn_implementation = attn_implementation
     else:
@@ -144,11 +147,7 @@ def load(
             raise ModelLoadError(
                 f"{info.id}: no safetensors weights in {info.path} (pickled weights are refused)"
             )
-        auto = (
-            AutoModelForSequenceClassification
-            if spec.task == "sequence-classification"
-            else AutoModelForCausalLM
-        )
+        auto = _auto(spec.task)
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(
             info.path, local_files_only=True, trust_remote_code=False
         )
@@ -161,9 +160,11 @@ def load(
             # fp32 master weights whatever the checkpoint's dtype: transformers 5 would keep a bf16
             # checkpoint in bf16 and train it, Adam states included, in pure bf16; precision decides compute
             dtype=torch.float32,
+            # a pretrained classifier's head (ImageNet's 1000 classes) gives way to one for these labels
+            ignore_mismatched_sizes=bool(label_kw) and spec.task != "sequence-classification",
             **label_kw,
         )
-        if tokenizer.pad_token is None:
+        if getattr(tokenizer, "pad_token", "") is None:  # a text model's tokenizer (not a processor)
             tokenizer.pad_token = tokenizer.eos_token
             model.config.pad_token_id = tokenizer.pad_token_id
         loaded = Loaded(model, tokenizer)
@@ -180,13 +181,54 @@ def load(
 def from_directory(directory: Any, task: str) -> Any:
     """A saved model (ours: safetensors, no remote code) in fp32 eval mode."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
-    model = auto.from_pretrained(
+    model = _auto(task).from_pretrained(
         directory, local_files_only=True, trust_remote_code=False, use_safetensors=True, dtype=torch.float32
     )
     return model.eval()
+
+
+def _auto(task: str) -> Any:
+    import transformers
+
+    return getattr(
+        transformers,
+        {
+            "causal-lm": "AutoModelForCausalLM",
+            "sequence-classification": "AutoModelForSequenceClassification",
+            "image-classification": "AutoModelForImageClassification",
+            "audio-classification": "AutoModelForAudioClassification",
+        }[task],
+    )
+
+
+def _build_media(model_id: str, label_kw: dict[str, Any]) -> Any:
+    """tiny-vit (32x32 images in 8x8 patches) or tiny-audio (a wav2vec2-shaped encoder over 16 kHz audio),
+    both 2 layers of width 32: the shapes of real ones, small enough for the tests."""
+    from transformers import (
+        ViTConfig,
+        ViTForImageClassification,
+        Wav2Vec2Config,
+        Wav2Vec2ForSequenceClassification,
+    )
+
+    width = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
+    if model_id == "tiny-vit":
+        return ViTForImageClassification(ViTConfig(image_size=32, patch_size=8, **width, **label_kw))
+    config = Wav2Vec2Config(
+        **width,
+        conv_dim=(32, 32, 32),
+        conv_stride=(5, 4, 4),
+        conv_kernel=(10, 8, 8),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        feat_extract_norm="layer",  # with an attention mask: padded clips in a batch
+        do_stable_layer_norm=True,
+        classifier_proj_size=32,
+        mask_time_prob=0.0,
+        **label_kw,
+    )
+    return Wav2Vec2ForSequenceClassification(config)
 
 
 def with_lora(model: Any, spec: TrainingSpec) -> Any:

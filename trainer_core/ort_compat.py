@@ -7,6 +7,9 @@ Applied once, before anything imports `onnxruntime.training`:
   They are aliased back to where ORT looks.
 - ORTModule calls `torch.onnx.export` without `dynamo=`, which now means the dynamo exporter; that export
   fails and ORTModule would quietly fall back to PyTorch. Its calls are pinned to the TorchScript exporter.
+- ORT's own symbolic for `aten::_convolution` (every Conv: a ViT's patches, a wav2vec2 feature encoder)
+  imports `_convolution` from `torch.onnx.symbolic_opset9`, which now re-exports only public names; the
+  TorchScript exporter's own is put back there.
 - On a CPU build of torch, ORT's NVTX range markers raise; they become no-ops where there is no CUDA.
 - `ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE`, so any failure inside ORTModule raises instead of silently
   training with PyTorch.
@@ -44,6 +47,11 @@ def apply() -> None:
         for name, module in (("_type_utils", _type_utils), ("_globals", _globals)):
             sys.modules[f"torch.onnx.{name}"] = module
             setattr(torch.onnx, name, module)
+        import torch.onnx.symbolic_opset9 as opset9
+        from torch.onnx._internal.torchscript_exporter import symbolic_opset9 as internal_opset9
+
+        if not hasattr(opset9, "_convolution"):
+            opset9._convolution = internal_opset9._convolution  # type: ignore[attr-defined]
     if "torch.onnx._internal._beartype" not in sys.modules:
         beartype = types.ModuleType("torch.onnx._internal._beartype")
         beartype.beartype = lambda fn: fn  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from trainer_core import chat, datastore, rows
+from trainer_core import chat, datastore, mediastore, rows
 from trainer_core.contract import EXIT_FAILED, EXIT_OK
 from trainer_core.datastore import StoreWriter, TokenStore
 from trainer_core.events import EventStream
@@ -56,6 +56,12 @@ def _tokenizer(spec: TrainingSpec, store: Path) -> Any:
     rows and kept in the store (every later reader of the store must use the very same one)."""
     from transformers import AutoTokenizer
 
+    if mediastore.is_media(spec.task):  # images and audio: the model's processor stands for a tokenizer
+        if spec.model_path is not None:
+            return mediastore.load_processor(spec.model_path, spec.task)
+        processor = mediastore.built_processor(spec.model)
+        processor.save_pretrained(store / "tokenizer")
+        return processor
     if spec.model_path is not None:
         return AutoTokenizer.from_pretrained(spec.model_path, local_files_only=True, trust_remote_code=False)
     from trainer_core.modeling import train_tokenizer
@@ -116,6 +122,20 @@ def _build(
     total: int | None,
     has_tokenizer: bool,
 ) -> None:
+    if mediastore.is_media(spec.task):
+        _build_media(
+            path,
+            fmt,
+            store,
+            key,
+            tokenizer,
+            spec,
+            events,
+            what=what,
+            total=total,
+            has_tokenizer=has_tokenizer,
+        )
+        return
     writer = StoreWriter(store, key, spec.task)
     unit = 2 if spec.dpo is not None else 1  # store rows per file row
     rows_word = "pairs" if unit == 2 else "rows"
@@ -170,6 +190,37 @@ def _build(
             dropped=meta.dropped,
             lines=meta.dropped_lines,
         )
+
+
+def _build_media(
+    path: Path,
+    fmt: str,
+    store: Path,
+    key: str,
+    processor: Any,
+    spec: TrainingSpec,
+    events: EventStream,
+    *,
+    what: str,
+    total: int | None,
+    has_tokenizer: bool,
+) -> None:
+    t0 = time.monotonic()
+    report = lambda done: _progress(events, what, done, total, done / max(time.monotonic() - t0, 1e-9))  # noqa: E731
+    mediastore.build(path, fmt, store, key, processor, spec, report, has_tokenizer=has_tokenizer)
+    rows_done, took = mediastore.MediaStore(store).meta.rows, time.monotonic() - t0
+    events.message(
+        f"Decoded {rows_done:,} {what} files in {took:.1f}s ({rows_done / max(took, 1e-9):,.0f} files/s)",
+        phase="tokenizing",
+        rows=rows_done,
+        seconds=round(took, 3),
+        store=key,
+    )
+
+
+def open_store(path: Path, task: str) -> Any:
+    """A whole store opened read-only: token ids, or decoded media."""
+    return mediastore.MediaStore(path) if mediastore.is_media(task) else TokenStore(path)
 
 
 def _truncated(meta: datastore.Meta, spec: TrainingSpec, tokenizer: Any, what: str, rows_word: str) -> str:
@@ -236,7 +287,7 @@ def ensure(spec: TrainingSpec, events: EventStream) -> tuple[TokenStore, TokenSt
             )
         else:
             tokenizer = None
-    train = TokenStore(train_dir)
+    train = open_store(train_dir, spec.task)
     check_truncation(train, spec, lambda: tokenizer or load_tokenizer(spec, train), "training")
     valid = None
     if spec.validation_store is not None and spec.validation_file is not None:
@@ -257,7 +308,7 @@ def ensure(spec: TrainingSpec, events: EventStream) -> tuple[TokenStore, TokenSt
                     total=None,
                     has_tokenizer=False,
                 )
-        valid = TokenStore(valid_dir)
+        valid = open_store(valid_dir, spec.task)
         check_truncation(valid, spec, lambda: tokenizer or load_tokenizer(spec, train), "validation")
     return train, valid
 
@@ -266,6 +317,8 @@ def load_tokenizer(spec: TrainingSpec, train: TokenStore) -> Any:
     from transformers import AutoTokenizer
 
     source = train.tokenizer_dir or spec.model_path
+    if mediastore.is_media(spec.task):
+        return mediastore.load_processor(source, spec.task)
     return AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=False)
 
 

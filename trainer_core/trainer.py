@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from trainer_core import mediastore
 from trainer_core.backends import BackendChoice
 from trainer_core.callbacks import CheckpointPacing, EventCallback, StopOnRequest
 from trainer_core.data import BucketSampler, Collator, Packed, PackedCollator
@@ -121,7 +122,7 @@ def build(
         return _dpo_trainer(spec, choice, model, tokenizer, train, valid, events, cuda=cuda, stop=stop)
     args = training_arguments(spec, choice, cuda=cuda, has_eval=valid is not None)
     hp = spec.hyperparameters
-    collator = Collator(tokenizer.pad_token_id, spec.task)
+    collator = collator_for(spec, tokenizer, train)
     train_set: Any = train
     if spec.packing:
         train_set, collator = _packed(spec, train, tokenizer, events)
@@ -137,13 +138,20 @@ def build(
         data_collator=collator,
         # saved into every checkpoint: a checkpoint is then a model a later job can start from
         processing_class=tokenizer,
-        compute_metrics=accuracy if spec.task == "sequence-classification" else None,
+        compute_metrics=accuracy if spec.task.endswith("-classification") else None,
         callbacks=_callbacks(spec, events, collator, stop),
     )
 
 
+def collator_for(spec: TrainingSpec, tokenizer: Any, store: Any) -> Any:
+    """What makes the model's batches: padding token ids, or the processor's last steps over media."""
+    if mediastore.is_media(spec.task):
+        return mediastore.MediaCollator(tokenizer, store.media)
+    return Collator(tokenizer.pad_token_id, spec.task)
+
+
 def _callbacks(
-    spec: TrainingSpec, events: EventStream, collator: Collator, stop: StopOnRequest | None
+    spec: TrainingSpec, events: EventStream, collator: Any, stop: StopOnRequest | None
 ) -> list[Any]:
     """What every method's trainer reports through: its events, the checkpoint floor, and a stop."""
     hp = spec.hyperparameters

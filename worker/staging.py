@@ -8,13 +8,14 @@ import shutil
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ortune.db.models import File, Job, JobStatus
 from ortune.db.repositories import CheckpointRepository, EventRepository, JobRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from ortune.storage import ObjectStore, open_store, sha256_file
-from trainer_core import datastore, rows
+from trainer_core import datastore, media, rows
 from trainer_core.spec import TrainingSpec
 from worker import base_models
 from worker.stores import Store, fetch, stores_of, wait_for
@@ -82,8 +83,8 @@ def stage(
     model = base_models.resolve(settings, store, job)
     stores = [s for s in stores_of(settings, job, model, train, valid) if s is not None]
     to_build = [s for s in stores if not _found(settings, store, job, s, lead=lead)]
-    fmt = rows.file_format(train.object_key) or "jsonl"
-    vfmt = (rows.file_format(valid.object_key) or "jsonl") if valid else "jsonl"
+    fmt = _format(train.object_key)
+    vfmt = _format(valid.object_key) if valid else "jsonl"
     if to_build:
         store.get_to_path(train.object_key, data / f"train.{fmt}")  # a built tokenizer learns from it
         if valid is not None:
@@ -211,3 +212,8 @@ def resume_point(
                 data={"resumed_from_step": step, "attempt": job.attempt},
             )
     return str(found)
+
+
+def _format(key: str) -> Any:
+    """A stored file's format by its key's suffix: rows (jsonl, csv) or an archive of media (zip, tar)."""
+    return rows.file_format(key) or media.archive_format(key) or "jsonl"

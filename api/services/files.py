@@ -15,7 +15,7 @@ from ortune.db.models import File, FileStatus
 from ortune.db.repositories import FileRepository
 from ortune.settings import Settings
 from ortune.storage import ObjectStore
-from trainer_core import rows
+from trainer_core import media, rows
 
 PURPOSES = ("fine-tune",)
 
@@ -32,10 +32,11 @@ def _validate_form(upload: Upload) -> tuple[str, str, str | None]:
             param="purpose",
             code="invalid_purpose",
         )
-    fmt = rows.file_format(upload.filename)
+    fmt = rows.file_format(upload.filename) or media.archive_format(upload.filename)
     if fmt is None:
         raise APIError(
-            f"{upload.filename!r}: unsupported file type; upload .jsonl or .csv",
+            f"{upload.filename!r}: unsupported file type; upload .jsonl or .csv, or images or audio as "
+            ".zip, .tar or .tar.gz",
             param="file",
             code="invalid_file_format",
         )
@@ -54,20 +55,34 @@ async def check_and_store(
         purpose, fmt, task = _validate_form(upload)
         assert upload.path is not None and upload.filename is not None
         path: Path = upload.path
-        report = await asyncio.to_thread(
-            rows.check_file,
-            path,
-            fmt,
-            max_rows=settings.max_rows,
-            task=task,
-            max_chars=settings.max_row_chars,
-        )
+        if fmt in ("zip", "tar"):  # read member by member from the spooled upload, nothing unpacked
+            limits = media.Limits(
+                settings.max_archive_members, settings.max_archive_bytes, settings.max_compression_ratio
+            )
+            report = await asyncio.to_thread(
+                media.check_archive,
+                path,
+                fmt,
+                limits=limits,
+                compressed_size=upload.size,
+                max_rows=settings.max_rows,
+                task=task,
+            )
+        else:
+            report = await asyncio.to_thread(
+                rows.check_file,
+                path,
+                fmt,
+                max_rows=settings.max_rows,
+                task=task,
+                max_chars=settings.max_row_chars,
+            )
         key = f"files/{file_id}.{fmt}"
         await asyncio.to_thread(store.put_path, key, path)
     finally:
         if upload.path is not None:
             upload.path.unlink(missing_ok=True)
-    labels = sorted(report.labels, key=str) if report.kind == "text_label" else None
+    labels = sorted(report.labels, key=str) if report.labels else None
     return File(
         id=file_id,
         tenant_id=caller.tenant_id,

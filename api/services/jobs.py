@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import re
 import secrets
-from typing import Any
 
 from sqlalchemy.orm import Session
 
 from api.caller import Caller
 from api.errors import APIError, Conflict, NotFound, TooManyRequests
 from api.schemas import JobCreate
+from api.services import job_checks as checks
 from api.services import quota
 from ortune import lifecycle
 from ortune.db.base import new_id
-from ortune.db.models import File, FileStatus, Job, JobStatus, Tenant
+from ortune.db.models import Job, JobStatus, Tenant
 from ortune.db.repositories import (
     ArtifactRepository,
     CheckpointRepository,
     EventRepository,
-    FileRepository,
     JobRepository,
     NodeRepository,
     TenantRepository,
@@ -34,42 +33,6 @@ from trainer_core import registry, rows
 from trainer_core.spec import Distributed
 
 
-def _file(session: Session, caller: Caller, file_id: str, param: str, task: str | None) -> File:
-    file = FileRepository(session).get(file_id)
-    if file is None or file.tenant_id != caller.tenant_id:
-        raise NotFound(f"no file with id {file_id!r}", param=param, code="file_not_found")
-    if file.status != FileStatus.processed:
-        raise APIError(
-            f"file {file_id} failed its checks: {file.status_details}", param=param, code="invalid_file"
-        )
-    if task is not None and file.row_kind not in rows.TASK_KINDS[task]:
-        raise APIError(
-            f"task {task} needs rows with {rows.required_columns(task)}; file {file_id} holds "
-            f"{file.row_kind} rows",
-            param=param,
-            code="invalid_file",
-        )
-    return file
-
-
-def _check_method(req: JobCreate, train: File, task: str) -> None:
-    """The method and the training file's rows belong together: DPO learns from preference pairs only."""
-    method = req.method.type if req.method else "supervised"
-    if train.row_kind in rows.METHOD_KINDS[method]:
-        return
-    if method == "dpo":
-        message = (
-            f"method dpo trains on preference rows {rows.required_columns('dpo', by='method')}; "
-            f"file {train.id} holds {train.row_kind} rows"
-        )
-    else:
-        message = (
-            f"file {train.id} holds preference rows, which train with method dpo "
-            '({"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1}}})'
-        )
-    raise APIError(message, param="training_file", code="invalid_file")
-
-
 def create(
     session: Session, settings: Settings, caller: Caller, req: JobCreate, job_id: str | None = None
 ) -> Job:
@@ -81,8 +44,8 @@ def create(
             model, base = registry.resolve(req.model, settings.models_dir), None
         except registry.UnknownModel as exc:
             raise NotFound(str(exc), param="model", code="model_not_found") from exc
-    train = _file(session, caller, req.training_file, "training_file", req.task)
-    task = req.task or ("sequence-classification" if train.row_kind == "text_label" else "causal-lm")
+    train = checks.file(session, caller, req.training_file, "training_file", req.task)
+    task = req.task or rows.task_of(train.row_kind)
     if task not in model.tasks:
         raise APIError(
             f"model {model.id} cannot be fine-tuned for {task} (it supports {', '.join(model.tasks)})",
@@ -90,7 +53,9 @@ def create(
             code="unsupported_task",
         )
     valid = (
-        _file(session, caller, req.validation_file, "validation_file", task) if req.validation_file else None
+        checks.file(session, caller, req.validation_file, "validation_file", task)
+        if req.validation_file
+        else None
     )
     if valid is not None and valid.row_kind != train.row_kind:
         raise APIError(
@@ -98,31 +63,8 @@ def create(
             param="validation_file",
             code="invalid_file",
         )
-    _check_method(req, train, task)
-    labels: list[Any] = list(train.labels or [])
-    if task == "sequence-classification":
-        if len(labels) < 2:
-            raise APIError(
-                "sequence-classification needs at least two distinct labels in the training file",
-                param="training_file",
-                code="invalid_file",
-            )
-        unseen = {str(x) for x in (valid.labels or [])} - {str(x) for x in labels} if valid else set()
-        if unseen:
-            raise APIError(
-                f"validation labels not in the training file: {', '.join(sorted(unseen))}",
-                param="validation_file",
-                code="invalid_file",
-            )
-    if source is not None and task == "sequence-classification":
-        theirs = [str(x) for x in source.spec.labels]
-        if [str(x) for x in labels] != theirs:
-            raise APIError(
-                f"the training file's labels ({', '.join(map(str, labels))}) are not those {req.model} was "
-                f"trained on ({', '.join(theirs)}): a classifier goes on with its own labels",
-                param="training_file",
-                code="invalid_file",
-            )
+    checks.method(req, train)
+    labels = checks.labels(train, valid, source, task, req.model)
     hp = req.effective_hyperparameters()
     if hp.max_steps is not None and hp.max_steps > settings.max_steps:
         raise APIError(
