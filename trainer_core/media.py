@@ -28,6 +28,8 @@ from trainer_core.rows import MAX_LABELS, Report
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp"})
 AUDIO_SUFFIXES = frozenset({".wav", ".flac", ".ogg", ".mp3"})
 IMAGE_FORMATS = frozenset({"JPEG", "PNG", "WEBP"})
+# images and sound this check cannot take: refused by name, not skipped (a README or a licence is skipped)
+UNSUPPORTED = frozenset({".gif", ".bmp", ".tif", ".tiff", ".heic", ".avif", ".m4a", ".aac", ".wma", ".opus"})
 METADATA = ("metadata.jsonl", "metadata.csv")
 MAX_METADATA_BYTES = 64 * 2**20
 MAX_IMAGE_PIXELS = 64 * 2**20  # a decompression bomb in one image is refused by Pillow past this
@@ -121,9 +123,9 @@ def members(path: Any, fmt: str, limits: Limits, compressed_size: int) -> Iterat
                 if not member.isfile():
                     raise ArchiveError(f"member {name!r}: links and special files are refused")
                 account(name, member.size)
-                fh = tar.extractfile(member)
-                assert fh is not None
-                yield name, fh.read()
+                reader = tar.extractfile(member)
+                assert reader is not None
+                yield name, reader.read()
     except tarfile.TarError as exc:
         raise ArchiveError(f"not a readable tar archive: {exc}") from exc
 
@@ -212,6 +214,12 @@ def read_layout(
                 metadata = (name, data)
             continue
         kind = media_kind(name)
+        if PurePosixPath(name).suffix.lower() in UNSUPPORTED and not base.startswith("."):
+            report.fail(
+                f"member {name!r}: {PurePosixPath(name).suffix} files are not taken "
+                "(images: JPEG, PNG, WebP; audio: WAV, FLAC, OGG, MP3)"
+            )
+            continue
         if kind is None or base.startswith("."):
             continue  # a README, a licence, macOS's ._ files: not rows
         if layout.media is None:

@@ -170,7 +170,7 @@ def build(
     info: dict[str, Any] = {"media": layout.media}
     if not image:
         info["rate"] = int(processor.sampling_rate)
-    offsets, targets, samples = [0], [], []
+    offsets, targets, samples = [0], [], list[str]()
     with (store / ("values.u8" if image else "values.f32")).open("wb") as out:
         for name, data in media.members(path, fmt, media.Limits(), 0):
             if name not in layout.targets:

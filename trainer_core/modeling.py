@@ -212,7 +212,8 @@ def _build_media(model_id: str, label_kw: dict[str, Any]) -> Any:
         Wav2Vec2ForSequenceClassification,
     )
 
-    width = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
+    width: dict[str, Any] = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    width["intermediate_size"] = 64
     if model_id == "tiny-vit":
         return ViTForImageClassification(ViTConfig(image_size=32, patch_size=8, **width, **label_kw))
     config = Wav2Vec2Config(

@@ -262,7 +262,7 @@ def _progress(events: EventStream, what: str, done: int, total: int | None, rate
     )
 
 
-def ensure(spec: TrainingSpec, events: EventStream) -> tuple[TokenStore, TokenStore | None]:
+def ensure(spec: TrainingSpec, events: EventStream) -> tuple[Any, Any]:
     """The job's stores, built where the spec names them unless they are whole already. Processes on one
     machine that ask at once build each store once (a file lock), the others wait and open it."""
     assert spec.train_store is not None, "a spec to train from names its stores (see launch.with_stores)"
@@ -318,6 +318,7 @@ def load_tokenizer(spec: TrainingSpec, train: TokenStore) -> Any:
 
     source = train.tokenizer_dir or spec.model_path
     if mediastore.is_media(spec.task):
+        assert source is not None, "a media store of a built model keeps its processor"
         return mediastore.load_processor(source, spec.task)
     return AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=False)
 

@@ -1,0 +1,107 @@
+"""Image and audio classification jobs through the whole service on both configurations: an archive
+uploaded, a job that learns (held-out accuracy after beats before), and both artifacts loaded back as a
+user would (transformers and onnxruntime, each with the processor saved beside it) predicting the same
+labels."""
+
+from __future__ import annotations
+
+import io
+import math
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ortune import media_demo
+from ortune.cli.client import Client
+from tests.support import TERMINAL, series, wait_for
+
+pytestmark = pytest.mark.e2e
+
+CASES = {
+    # model, rows, epochs, lr multiplier (of 5e-5), what held-out accuracy must reach over before
+    "image": ("tiny-vit", media_demo.image_rows, 8, 40, 0.15),
+    "audio": ("tiny-audio", media_demo.audio_rows, 4, 40, 0.4),
+}
+
+
+def extract(archive: Path, into: Path) -> Path:
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def features(kind: str, processor: Any, files: list[bytes]) -> dict[str, Any]:
+    """What a user feeds the model: images through the image processor, clips resampled to its rate."""
+    if kind == "image":
+        from PIL import Image
+
+        return dict(
+            processor(images=[Image.open(io.BytesIO(f)).convert("RGB") for f in files], return_tensors="np")
+        )
+    import soundfile
+    from scipy.signal import resample_poly
+
+    clips = []
+    for f in files:
+        samples, rate = soundfile.read(io.BytesIO(f), dtype="float32")
+        g = math.gcd(rate, processor.sampling_rate)
+        clips.append(resample_poly(samples, processor.sampling_rate // g, rate // g).astype(np.float32))
+    return dict(processor(clips, sampling_rate=processor.sampling_rate, padding=True, return_tensors="np"))
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_a_media_classifier_learns_and_both_artifacts_agree(
+    service: Client, tmp_path: Path, kind: str
+) -> None:
+    import onnxruntime as ort
+    import torch
+    from transformers import (
+        AutoFeatureExtractor,
+        AutoImageProcessor,
+        AutoModelForAudioClassification,
+        AutoModelForImageClassification,
+    )
+
+    model, make, epochs, lr, gain = CASES[kind]
+    held_out = make(60, 2)
+    train = service.upload(media_demo.write_archive(tmp_path / "train.zip", make(240, 1)))
+    valid = service.upload(media_demo.write_archive(tmp_path / "valid.tar.gz", held_out, layout="metadata"))
+    assert (train["status"], valid["status"]) == ("processed", "processed"), (train, valid)
+    job = service.create_job(
+        model=model,
+        training_file=train["id"],
+        validation_file=valid["id"],
+        seed=7,
+        hyperparameters={"n_epochs": epochs, "batch_size": 16, "learning_rate_multiplier": lr},
+    )
+    done = wait_for(service, job["id"], TERMINAL, timeout=600)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["task"] == f"{kind}-classification"
+    accuracy = series(service, job["id"], "eval_accuracy")["values"]
+    assert accuracy[-1] >= accuracy[0] + gain, accuracy
+
+    labels = [label for _, label, _ in held_out]
+    files = [data for _, _, data in held_out]
+    predicted = {}
+    for fmt in ("pytorch", "onnx"):
+        service.download(job["id"], fmt, tmp_path / f"{fmt}.tar")
+        directory = extract(tmp_path / f"{fmt}.tar", tmp_path / f"{fmt}-x") / fmt
+        load = AutoImageProcessor if kind == "image" else AutoFeatureExtractor
+        batch = features(kind, load.from_pretrained(directory), files)
+        if fmt == "pytorch":
+            auto = AutoModelForImageClassification if kind == "image" else AutoModelForAudioClassification
+            net = auto.from_pretrained(directory).eval()
+            with torch.no_grad():
+                logits = net(**{k: torch.from_numpy(v) for k, v in batch.items()}).logits.numpy()
+            names = [net.config.id2label[i] for i in range(logits.shape[1])]
+        else:
+            session = ort.InferenceSession(str(directory / "model.onnx"), providers=["CPUExecutionProvider"])
+            wanted = [i.name for i in session.get_inputs()]
+            logits = session.run(["logits"], {n: batch[n] for n in wanted})[0]
+        predicted[fmt] = [names[i] for i in logits.argmax(-1)]
+    assert predicted["onnx"] == predicted["pytorch"]
+    right = sum(p == t for p, t in zip(predicted["pytorch"], labels, strict=True)) / len(labels)
+    assert right == pytest.approx(accuracy[-1], abs=0.1)  # a user's own pipeline scores what the job said
