@@ -24,6 +24,7 @@ METRIC_NAMES = {
 EVAL_NAMES = {
     "eval_loss": "eval_loss",
     "eval_accuracy": "eval_accuracy",
+    "eval_wer": "eval_wer",  # speech recognition: greedy transcripts of held-out clips (speech.py)
     "eval_rewards/margins": "eval_reward_margin",
     "eval_rewards/accuracies": "eval_reward_accuracy",
     "eval_preference_accuracy": "eval_preference_accuracy",  # trainer_core/dpo.py

@@ -29,7 +29,8 @@ from trainer_core.datastore import Meta
 from trainer_core.rows import Report
 from trainer_core.spec import TrainingSpec
 
-MEDIA_TASKS = ("image-classification", "audio-classification")
+MEDIA_TASKS = ("image-classification", "audio-classification", "automatic-speech-recognition")
+ASR = "automatic-speech-recognition"
 MAX_CLIP_SECONDS = 30.0
 PROGRESS_EVERY = 256
 
@@ -38,8 +39,13 @@ def is_media(task: str) -> bool:
     return task in MEDIA_TASKS
 
 
-def built_processor(model: str) -> Any:
-    """The processor of a built tiny model: 32x32 images normalized to [-1, 1], or 16 kHz audio."""
+def built_processor(model: str, transcripts: list[str]) -> Any:
+    """The processor of a built tiny model: 32x32 images normalized to [-1, 1], 16 kHz audio, or for
+    tiny-whisper log-mel features and a tokenizer learnt from the transcriptions."""
+    if model == "tiny-whisper":
+        from trainer_core import speech
+
+        return speech.built_processor(transcripts)
     if model == "tiny-vit":
         from transformers import ViTImageProcessorPil
 
@@ -56,6 +62,10 @@ def built_processor(model: str) -> Any:
 def load_processor(source: Path | str, task: str) -> Any:
     from transformers import AutoFeatureExtractor, AutoImageProcessor
 
+    if task == ASR:
+        from trainer_core.speech import SpeechProcessor
+
+        return SpeechProcessor.from_pretrained(source)
     if task == "image-classification":
         return AutoImageProcessor.from_pretrained(source, local_files_only=True, trust_remote_code=False)
     return AutoFeatureExtractor.from_pretrained(source, local_files_only=True, trust_remote_code=False)
@@ -78,6 +88,12 @@ class MediaStore:
             np.memmap(path / name, dtype=dtype, mode="r", shape=(size,)) if size else np.zeros(0, dtype)
         )
         self.lengths = np.diff(self.offsets)
+        self.label_offsets = np.fromfile(path / "label_offsets.i64", dtype=np.int64) if self.asr else None
+        self.label_ids = np.fromfile(path / "labels.u32", dtype=np.uint32) if self.asr else None
+
+    @property
+    def asr(self) -> bool:
+        return self.meta.task == ASR
 
     def __len__(self) -> int:
         return self.meta.rows
@@ -86,6 +102,9 @@ class MediaStore:
         values = np.asarray(self.values[self.offsets[i] : self.offsets[i + 1]])
         if self.media["media"] == "image":
             values = values.reshape(self.media["shape"])
+        if self.label_ids is not None and self.label_offsets is not None:  # a transcript's token ids
+            ids = self.label_ids[self.label_offsets[i] : self.label_offsets[i + 1]]
+            return {"values": values, "labels": ids.astype(np.int64).tolist()}
         return {"values": values, "labels": int(self.targets[i])}
 
     @property
@@ -116,6 +135,11 @@ class MediaCollator:
                 input_data_format="channels_first",
             )
             return {"pixel_values": out["pixel_values"]}
+        if "max_samples" in self.info:  # speech: log-mel windows of the model's fixed length
+            out = self.processor.feature_extractor(
+                values, sampling_rate=self.info["rate"], return_tensors="pt"
+            )
+            return {"input_features": out["input_features"]}
         self.real += sum(len(v) for v in values)
         self.padded += max(len(v) for v in values) * len(values)
         out = self.processor(values, sampling_rate=self.info["rate"], padding=True, return_tensors="pt")
@@ -125,7 +149,14 @@ class MediaCollator:
         import torch
 
         out = self.features([b["values"] for b in batch])
-        out["labels"] = torch.tensor([b["labels"] for b in batch], dtype=torch.long)
+        if isinstance(batch[0]["labels"], list):  # transcripts, padded with the ignored index
+            width = max(len(b["labels"]) for b in batch)
+            labels = torch.full((len(batch), width), -100, dtype=torch.long)
+            for i, b in enumerate(batch):
+                labels[i, : len(b["labels"])] = torch.tensor(b["labels"], dtype=torch.long)
+            out["labels"] = labels
+        else:
+            out["labels"] = torch.tensor([b["labels"] for b in batch], dtype=torch.long)
         return out
 
 
@@ -135,7 +166,7 @@ def _image(data: bytes, processor: Any) -> np.ndarray:
     return np.clip(np.asarray(out["pixel_values"][0]).round(), 0, 255).astype(np.uint8)
 
 
-def _clip(data: bytes, rate: int) -> np.ndarray:
+def _clip(data: bytes, rate: int, seconds: float = MAX_CLIP_SECONDS) -> np.ndarray:
     from scipy.signal import resample_poly
 
     sound = media.decode_audio(data)
@@ -143,7 +174,7 @@ def _clip(data: bytes, rate: int) -> np.ndarray:
     if sound.rate != rate:
         g = math.gcd(sound.rate, rate)
         samples = resample_poly(samples, rate // g, sound.rate // g).astype(np.float32)
-    return samples[: int(MAX_CLIP_SECONDS * rate)]
+    return samples[: int(seconds * rate)]
 
 
 def build(
@@ -170,27 +201,60 @@ def build(
     info: dict[str, Any] = {"media": layout.media}
     if not image:
         info["rate"] = int(processor.sampling_rate)
+    seconds = MAX_CLIP_SECONDS
+    if spec.task == ASR:  # a speech model reads a window of fixed length; the clip is cut to it
+        info["max_samples"] = processor.max_samples
+        seconds = processor.max_samples / info["rate"]
+        start = model_start(spec, processor)
     offsets, targets, samples = [0], [], list[str]()
+    label_offsets, labels = [0], list[int]()
     with (store / ("values.u8" if image else "values.f32")).open("wb") as out:
         for name, data in media.members(path, fmt, media.Limits(), 0):
             if name not in layout.targets:
                 continue
-            values = _image(data, processor) if image else _clip(data, info["rate"])
+            values = _image(data, processor) if image else _clip(data, info["rate"], seconds)
             if image:
                 info.setdefault("shape", list(values.shape))
             out.write(values.tobytes())
             offsets.append(offsets[-1] + values.size)
-            targets.append(index[str(layout.targets[name])])
-            samples += [name][: 8 - len(samples)]
+            target = str(layout.targets[name])
+            if spec.task == ASR:
+                (ids,) = processor.labels([target], start, spec.hyperparameters.max_seq_length)
+                labels += ids
+                label_offsets.append(len(labels))
+                targets.append(len(ids))
+                samples += [target][: 8 - len(samples)]
+            else:
+                targets.append(index[target])
+                samples += [name][: 8 - len(samples)]
             if len(targets) % PROGRESS_EVERY == 0:
                 progress(len(targets))
     np.asarray(offsets, np.int64).tofile(store / "offsets.i64")
     np.asarray(targets, np.int64).tofile(store / "targets.i64")
+    if spec.task == ASR:
+        np.asarray(labels, np.uint32).tofile(store / "labels.u32")
+        np.asarray(label_offsets, np.int64).tofile(store / "label_offsets.i64")
     (store / "media.json").write_text(json.dumps(info))
     rows = len(targets)
     longest = int(np.diff(offsets).max(initial=0))
-    meta = Meta(key, spec.task, rows, 0, longest, samples, has_tokenizer)
+    meta = Meta(key, spec.task, rows, len(labels), longest, samples, has_tokenizer)
     (store / "meta.json").write_text(json.dumps(meta.__dict__))
+
+
+def model_start(spec: TrainingSpec, processor: Any) -> int:
+    """The decoder's start token: the base model's config says it; a built model's is its tokenizer's."""
+    if spec.model_path is not None:
+        config = json.loads((Path(spec.model_path) / "config.json").read_text())
+        return int(config["decoder_start_token_id"])
+    from trainer_core.speech import START
+
+    return int(processor.tokenizer.convert_tokens_to_ids(START))
+
+
+def transcripts(path: Path, fmt: str) -> list[str]:
+    """An archive's transcriptions (a built speech model's tokenizer learns from them)."""
+    layout = media.read_layout(path, fmt, media.Limits(), 0, Report(), decode=False)
+    return [str(t) for t in layout.targets.values()] if layout.column == "transcription" else []
 
 
 def batches(store: MediaStore, collator: MediaCollator, size: int, count: int) -> Iterator[dict[str, Any]]:

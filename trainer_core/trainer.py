@@ -128,7 +128,15 @@ def build(
         train_set, collator = _packed(spec, train, tokenizer, events)
     # bucketed by the global batch: accelerate cuts each into the ranks' parts
     sampler = BucketSampler(train_set.lengths, hp.batch_size, spec.seed)
-    return ORTTrainer(
+    extra: dict[str, Any] = {}
+    cls: Any = ORTTrainer
+    if spec.task == mediastore.ASR:  # evaluations transcribe held-out clips for the word error rate
+        from trainer_core import speech
+
+        cls = speech.trainer_class()
+        if valid is not None:
+            extra["wer"] = lambda model: speech.evaluate_wer(model, tokenizer, valid, collator)
+    return cls(
         ort_module=ort_module,
         train_sampler=sampler,
         model=model,
@@ -140,6 +148,7 @@ def build(
         processing_class=tokenizer,
         compute_metrics=accuracy if spec.task.endswith("-classification") else None,
         callbacks=_callbacks(spec, events, collator, stop),
+        **extra,
     )
 
 

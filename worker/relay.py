@@ -23,6 +23,7 @@ SERIES = (
     "train_loss",
     "eval_loss",
     "eval_accuracy",
+    "eval_wer",
     "learning_rate",
     "grad_norm",
     "samples_per_second",

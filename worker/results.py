@@ -21,6 +21,7 @@ COLUMNS = {
     "train_loss": "train_loss",
     "eval_loss": "valid_loss",
     "eval_accuracy": "valid_accuracy",
+    "eval_wer": "valid_wer",
     "eval_preference_accuracy": "valid_preference_accuracy",
     "reward_margin": "train_reward_margin",
     "reward_accuracy": "train_reward_accuracy",

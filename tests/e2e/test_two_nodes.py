@@ -301,3 +301,42 @@ def test_a_node_that_cannot_stage_fails_the_attempt_at_once(settings: Settings, 
         assert "node rank 1 on node-b" in done["error"]["message"]
         assert "staging failed" in done["error"]["message"]
         wait_released(client)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize(
+    ("kind", "strategy", "backend"), [("image", "ddp", "torch"), ("audio", "zero1", "ort")]
+)
+def test_image_and_audio_jobs_across_two_nodes(
+    settings: Settings, tmp_path: Path, kind: str, strategy: str, backend: str
+) -> None:
+    """Media stores reach the other node like token stores, and the classifiers train under DDP and ZeRO-1
+    (ORT inside) with the replicas equal at the end; audio batches are padded clips with their masks."""
+    from ortune import media_demo
+
+    make = media_demo.image_rows if kind == "image" else media_demo.audio_rows
+    s = settings.model_copy(update={"sweep_seconds": 0.5})
+    with two_nodes(s, tmp_path) as (client, _):
+        train = client.upload(media_demo.write_archive(tmp_path / "train.zip", make(48, 1)))
+        job = client.create_job(
+            model="tiny-vit" if kind == "image" else "tiny-audio",
+            training_file=train["id"],
+            backend=backend,
+            precision="fp32",
+            seed=4,
+            hyperparameters={"max_steps": 4, "batch_size": 8, "learning_rate": 1e-3},
+            distributed={"nodes": 2, "strategy": strategy},
+        )
+        done = wait_for(client, job["id"], TERMINAL, timeout=400)
+        assert done["status"] == "succeeded", done["error"]
+        assert done["backend_used"] == backend and done["task"] == f"{kind}-classification"
+        metrics = done["result"]["metrics"]
+        assert metrics["replicas_max_rel_diff"] == 0.0
+        if backend == "ort":
+            assert metrics["ort_training_graph_nodes"] > 0
+        said = [e["message"] for e in events(client, job["id"])]
+        assert any(
+            "node-a" in m and "node-b" in m and strategy in m for m in said if m.startswith("Attempt 1")
+        )
+        assert len(losses(client, job["id"])) == 4
