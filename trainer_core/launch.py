@@ -50,6 +50,7 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
         export,
         export_decoder,
         export_media,
+        export_speech,
         mediastore,
         modeling,
         ort_trainer,
@@ -164,7 +165,8 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     try:
         if mediastore.is_media(spec.task):  # checked on the held-out rows as the collator batches them
             collator = trainer.collator_for(spec, loaded.tokenizer, valid_set or train_set)
-            onnx = export_media.export_onnx(
+            media_export = export_speech if spec.task == mediastore.ASR else export_media
+            onnx = media_export.export_onnx(
                 model, loaded.tokenizer, out / "onnx", valid_set or train_set, collator, manifest
             )
         else:

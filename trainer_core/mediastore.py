@@ -152,9 +152,14 @@ class MediaCollator:
         if isinstance(batch[0]["labels"], list):  # transcripts, padded with the ignored index
             width = max(len(b["labels"]) for b in batch)
             labels = torch.full((len(batch), width), -100, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
             for i, b in enumerate(batch):
                 labels[i, : len(b["labels"])] = torch.tensor(b["labels"], dtype=torch.long)
+                mask[i, : len(b["labels"])] = 1  # the start token and the transcript but its last token
             out["labels"] = labels
+            # the decoder's own mask: without one transformers derives packed sequences from positions
+            # with torch.diff, which ORTModule's exporter cannot take
+            out["decoder_attention_mask"] = mask
         else:
             out["labels"] = torch.tensor([b["labels"] for b in batch], dtype=torch.long)
         return out

@@ -203,6 +203,7 @@ def _auto(task: str) -> Any:
             "sequence-classification": "AutoModelForSequenceClassification",
             "image-classification": "AutoModelForImageClassification",
             "audio-classification": "AutoModelForAudioClassification",
+            "automatic-speech-recognition": "AutoModelForSpeechSeq2Seq",
         }[task],
     )
 

@@ -91,13 +91,13 @@ def built_model(processor: SpeechProcessor) -> Any:
     config = WhisperConfig(
         vocab_size=len(tok),
         num_mel_bins=80,
-        d_model=32,
+        d_model=64,
         encoder_layers=2,
         decoder_layers=2,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
         max_source_positions=processor.feature_extractor.nb_max_frames // 2,
         max_target_positions=64,
         decoder_start_token_id=start,
@@ -107,9 +107,7 @@ def built_model(processor: SpeechProcessor) -> Any:
         suppress_tokens=[],
         begin_suppress_tokens=None,
     )
-    model = WhisperForConditionalGeneration(config)
-    model.generation_config.forced_decoder_ids = None
-    return model
+    return WhisperForConditionalGeneration(config)
 
 
 def greedy(
@@ -189,6 +187,7 @@ def trainer_class() -> Any:
             out = super().evaluation_loop(*args, **kwargs)
             if self.wer is not None:  # logged with the loss: the metrics dict is logged after this returns
                 prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+                assert out.metrics is not None
                 out.metrics[f"{prefix}_wer"] = self.wer(self.plain_model)
             return out
 

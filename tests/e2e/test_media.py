@@ -6,6 +6,7 @@ labels."""
 from __future__ import annotations
 
 import io
+import json
 import math
 import tarfile
 from pathlib import Path
@@ -49,6 +50,8 @@ def features(kind: str, processor: Any, files: list[bytes]) -> dict[str, Any]:
         samples, rate = soundfile.read(io.BytesIO(f), dtype="float32")
         g = math.gcd(rate, processor.sampling_rate)
         clips.append(resample_poly(samples, processor.sampling_rate // g, rate // g).astype(np.float32))
+    if kind == "speech":  # Whisper's extractor pads every clip to its fixed window
+        return dict(processor(clips, sampling_rate=processor.sampling_rate, return_tensors="np"))
     return dict(processor(clips, sampling_rate=processor.sampling_rate, padding=True, return_tensors="np"))
 
 
@@ -105,3 +108,64 @@ def test_a_media_classifier_learns_and_both_artifacts_agree(
     assert predicted["onnx"] == predicted["pytorch"]
     right = sum(p == t for p, t in zip(predicted["pytorch"], labels, strict=True)) / len(labels)
     assert right == pytest.approx(accuracy[-1], abs=0.1)  # a user's own pipeline scores what the job said
+
+
+def test_a_speech_recognizer_learns_and_both_artifacts_write_the_same_transcripts(
+    service: Client, tmp_path: Path
+) -> None:
+    """tiny-whisper with a tokenizer trained on the job's transcriptions: held-out WER falls; the PyTorch
+    artifact's `generate` and ONNX Runtime over encoder.onnx and decoder.onnx write the same transcripts."""
+    import onnxruntime as ort
+    import torch
+    from transformers import AutoFeatureExtractor, AutoModelForSpeechSeq2Seq, AutoTokenizer
+
+    from trainer_core import speech
+
+    def archive(name: str, n: int, seed: int) -> Path:
+        rows = media_demo.melody_rows(n, seed)
+        return media_demo.write_archive(tmp_path / name, rows, layout="metadata", column="transcription")
+
+    held_out = media_demo.melody_rows(32, 2)
+    train = service.upload(archive("train.zip", 480, 1))
+    valid = service.upload(archive("valid.tar.gz", 32, 2))
+    job = service.create_job(
+        model="tiny-whisper",
+        training_file=train["id"],
+        validation_file=valid["id"],
+        seed=7,
+        hyperparameters={"n_epochs": 15, "batch_size": 16, "learning_rate_multiplier": 20},
+    )
+    done = wait_for(service, job["id"], TERMINAL, timeout=900)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["task"] == "automatic-speech-recognition" and done["trained_tokens"] > 0
+    wer = series(service, job["id"], "eval_wer")["values"]
+    assert wer[0] == 1.0 and wer[-1] <= 0.3, wer
+
+    clips = [data for _, _, data in held_out]
+    said: dict[str, list[str]] = {}
+    for fmt in ("pytorch", "onnx"):
+        service.download(job["id"], fmt, tmp_path / f"{fmt}.tar")
+        directory = extract(tmp_path / f"{fmt}.tar", tmp_path / f"{fmt}-x") / fmt
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        feats = features("speech", AutoFeatureExtractor.from_pretrained(directory), clips)["input_features"]
+        if fmt == "pytorch":
+            model = AutoModelForSpeechSeq2Seq.from_pretrained(directory).eval()
+            with torch.no_grad():
+                ids = model.generate(torch.from_numpy(feats), max_new_tokens=speech.MAX_NEW_TOKENS).tolist()
+        else:
+            enc = ort.InferenceSession(str(directory / "encoder.onnx"), providers=["CPUExecutionProvider"])
+            dec = ort.InferenceSession(str(directory / "decoder.onnx"), providers=["CPUExecutionProvider"])
+            config = json.loads((directory / "config.json").read_text())
+            ids = speech.greedy(
+                lambda f, enc=enc: enc.run(None, {"input_features": f})[0],
+                lambda i, h, dec=dec: dec.run(None, {"decoder_input_ids": i, "encoder_hidden_states": h})[0][
+                    :, -1
+                ],
+                feats,
+                config["decoder_start_token_id"],
+                config["eos_token_id"],
+            )
+        said[fmt] = [tokenizer.decode(i, skip_special_tokens=True).strip() for i in ids]
+    assert said["onnx"] == said["pytorch"]
+    right = speech.word_error_rate([t for _, t, _ in held_out], said["pytorch"])
+    assert right == pytest.approx(wer[-1], abs=0.1)

@@ -170,8 +170,20 @@ def test_a_task_the_archive_cannot_train_is_refused(tmp_path: Path) -> None:
     assert "task audio-classification needs an archive of audio clips with labels" in said
 
 
+MODELS = {"image": "tiny-vit", "audio": "tiny-audio", "speech": "tiny-whisper"}
+
+
+def media_archive(kind: str, path: Path, n: int, seed: int) -> Path:
+    if kind == "speech":
+        rows = media_demo.melody_rows(n, seed)
+        return media_demo.write_archive(path, rows, layout="metadata", column="transcription")
+    make = media_demo.image_rows if kind == "image" else media_demo.audio_rows
+    return media_demo.write_archive(path, make(n, seed))
+
+
 def media_losses(kind: str, backend: str, tmp: Path) -> tuple[list[float], Any]:
-    """Train tiny-vit or tiny-audio through the real ORTTrainer, dropout off: what differs is the engine."""
+    """Train tiny-vit, tiny-audio or tiny-whisper through the real ORTTrainer, dropout off: what differs
+    is the engine."""
     import torch
 
     from trainer_core import backends, modeling, prepare, registry, trainer
@@ -179,16 +191,18 @@ def media_losses(kind: str, backend: str, tmp: Path) -> tuple[list[float], Any]:
     from trainer_core.launch import with_stores
     from trainer_core.spec import Hyperparameters, TrainingSpec
 
-    rows = media_demo.image_rows if kind == "image" else media_demo.audio_rows
-    archive = media_demo.write_archive(tmp / f"{kind}.zip", rows(48, 4))
-    model = "tiny-vit" if kind == "image" else "tiny-audio"
+    archive = media_archive(kind, tmp / f"{kind}.zip", 48, 4)
+    model = MODELS[kind]
+    classify = kind != "speech"
     spec = TrainingSpec(
         job_id="ftjob-media-ort",
-        task=f"{kind}-classification",
+        task=f"{kind}-classification" if classify else "automatic-speech-recognition",
         model=model,
         train_file=str(archive),
         train_format="zip",
-        labels=sorted({label for _, label, _ in rows(3, 0)}),
+        labels=sorted({label for _, label, _ in media_demo.image_rows(3, 0)})
+        if kind == "image"
+        else (sorted(media_demo.PITCHES) if classify else []),
         output_dir=str(tmp / backend / "out"),
         seed=3,
         precision="fp32",
@@ -229,10 +243,11 @@ def media_parity_probe(tmp: str, kind: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("kind", ["image", "audio"])
-def test_ort_trains_the_image_and_audio_classifiers_as_pytorch_does(tmp_path: Path, kind: str) -> None:
-    """ORTModule, fallback disabled, trains tiny-vit (patches through a Conv2d) and tiny-audio (a Conv1d
-    feature encoder, layer norms, a padded batch's mask) to PyTorch's losses."""
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_ort_trains_the_image_audio_and_speech_models_as_pytorch_does(tmp_path: Path, kind: str) -> None:
+    """ORTModule, fallback disabled, trains tiny-vit (patches through a Conv2d), tiny-audio (a Conv1d
+    feature encoder, layer norms, a padded batch's mask) and tiny-whisper (an encoder-decoder with cross
+    attention and a padded decoder mask) to PyTorch's losses."""
     for side in ("torch", "ort"):
         (tmp_path / side).mkdir()
     code = "import json; from tests.trainer_core.test_media import media_parity_probe; "
@@ -248,3 +263,54 @@ def test_ort_trains_the_image_and_audio_classifiers_as_pytorch_does(tmp_path: Pa
     assert max(abs(a - b) for a, b in zip(probe["torch"], probe["ort"], strict=True)) < 1e-4, probe
     assert probe["ort"][-1] != probe["ort"][0]
     assert probe["module"] == "ORTModule" and probe["nodes"] > 50 and probe["policy"] == "FALLBACK_DISABLE"
+
+
+def test_a_transcription_archive_is_speech_recognition(tmp_path: Path) -> None:
+    rows = media_demo.melody_rows(5, 0)
+    report = check(
+        media_demo.write_archive(tmp_path / "s.zip", rows, layout="metadata", column="transcription")
+    )
+    assert report.ok and (report.kind, report.rows) == ("audio_transcription", 5), report.details()
+    assert report.labels == set()  # transcriptions are not labels
+
+
+def test_an_onnx_transcript_that_differs_fails_the_export_naming_the_clip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The greedy check compares ONNX Runtime's transcripts with PyTorch's token for token; one divergence
+    fails the export with the clip and both transcripts (and an intact export passes it)."""
+    from trainer_core import export_speech, mediastore, speech
+    from trainer_core.datastore import Meta
+    from trainer_core.export import ExportError
+    from trainer_core.spec import Hyperparameters, TrainingSpec
+
+    archive = media_archive("speech", tmp_path / "s.zip", 6, 1)
+    spec = TrainingSpec(
+        job_id="ftjob-asr-export",
+        task="automatic-speech-recognition",
+        model="tiny-whisper",
+        train_file=str(archive),
+        train_format="zip",
+        output_dir=str(tmp_path / "out"),
+        hyperparameters=Hyperparameters(max_steps=1).resolved(6),
+    )
+    processor = mediastore.built_processor("tiny-whisper", mediastore.transcripts(archive, "zip"))
+    mediastore.build(
+        archive, "zip", tmp_path / "store", "k", processor, spec, lambda n: None, has_tokenizer=False
+    )
+    store = mediastore.MediaStore(tmp_path / "store")
+    assert isinstance(store.meta, Meta) and store.meta.tokens > 0
+    collator = mediastore.MediaCollator(processor, store.media)
+    model = speech.built_model(processor).eval()
+    manifest = export_speech.export_onnx(
+        model, processor, tmp_path / "onnx", store, collator, {"task": spec.task}
+    )
+    assert manifest["greedy_parity"]["identical"] == manifest["greedy_parity"]["clips"] == 6
+    assert {"encoder.onnx", "decoder.onnx", "preprocessor_config.json"} <= set(manifest["files"])
+
+    real = speech.torch_greedy
+    monkeypatch.setattr(speech, "torch_greedy", lambda m, f: [[7, 7, 7], *real(m, f)[1:]])
+    with pytest.raises(
+        ExportError, match=r"differs from PyTorch's on held-out clip 0: .* against .*ids \[7, 7, 7\]"
+    ):
+        export_speech.export_onnx(model, processor, tmp_path / "onnx2", store, collator, {"task": spec.task})
