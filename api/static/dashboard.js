@@ -3,7 +3,9 @@
 
 const POLL_MS = 2000;
 const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
-const CHART_SERIES = ["train_loss", "eval_loss"];
+// losses on the left axis; the held-out quality (a classifier's accuracy, a recognizer's word error rate) on
+// the right, 0 to 1
+const CHART_SERIES = ["train_loss", "eval_loss", "eval_accuracy", "eval_wer"];
 
 // Where the deployment requires API keys, a 401 shows a key form; the key is kept in localStorage under
 // "ortune.api_key" and sent as a bearer token.
@@ -240,15 +242,19 @@ function lossChart(target) {
   const opts = {
     width: Math.max(320, target.clientWidth || 900),
     height: 280,
-    scales: { x: { time: false } },
-    axes: [{ label: "step" }, { label: "loss" }],
+    scales: { x: { time: false }, quality: { range: [0, 1] } },
+    axes: [{ label: "step" }, { label: "loss" }, { scale: "quality", side: 1, label: "accuracy / WER", grid: { show: false } }],
     series: [
       { label: "step" },
       { label: "train loss", stroke: "#2f6fde", width: 1.5, spanGaps: true },
       { label: "eval loss", stroke: "#d9822b", width: 2, spanGaps: true, points: { show: true, size: 6 } },
+      { label: "eval accuracy", scale: "quality", stroke: "#2e9e5b", width: 2, dash: [6, 4], spanGaps: true,
+        points: { show: true, size: 6 } },
+      { label: "eval WER", scale: "quality", stroke: "#b03a9e", width: 2, dash: [6, 4], spanGaps: true,
+        points: { show: true, size: 6 } },
     ],
   };
-  const chart = new uPlot(opts, [[], [], []], target);
+  const chart = new uPlot(opts, [[], [], [], [], []], target);
   window.addEventListener("resize", () => chart.setSize({ width: target.clientWidth || 900, height: 280 }));
   return chart;
 }
@@ -283,6 +289,7 @@ function renderChart(chart, metrics) {
   const points = series.reduce((n, s) => n + s.steps.length, 0);
   const target = document.getElementById("chart");
   target.dataset.points = String(points);
+  target.dataset.series = CHART_SERIES.filter((_, i) => series[i].steps.length > 0).join(" ");
   document.getElementById("chart-empty").hidden = points > 0;
 }
 

@@ -90,7 +90,9 @@ def test_dashboard_lists_the_job_draws_its_curve_and_downloads(tmp_path: Path, b
         expect(page.locator("#job-facts")).to_contain_text("torch (asked: torch)")
         expect(page.locator("#events li").first).to_be_visible()
         points = int(page.locator("#chart").get_attribute("data-points") or 0)
-        assert points >= 30 + 3  # every train step, and the three evaluations
+        assert points >= 30 + 3 + 3  # every train step, and the three evaluations' loss and accuracy
+        # the held-out accuracy on its own 0-1 axis beside the losses
+        expect(page.locator("#chart")).to_have_attribute("data-series", "train_loss eval_loss eval_accuracy")
         assert page.locator("#chart canvas").count() == 1
         page.screenshot(path=str(tmp_path / "job.png"), full_page=True)
         assert (tmp_path / "job.png").stat().st_size > 10_000
