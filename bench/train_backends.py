@@ -11,7 +11,11 @@ Rows, per model:
   the measuring cost over a job of --job-steps steps.
 
 Data: the demo's sentences joined into texts of 1 to 12 sentences, tokenized by the model's own tokenizer,
-ordered by the job's BucketSampler and padded per batch by the job's Collator: the lengths a job sees.
+ordered by the job's BucketSampler and padded per batch by the job's Collator: the lengths a job sees. The
+image, audio and speech models (`vit`, `wav2vec2`, `whisper`) get ortune.media_demo's shapes, tones and
+melodies through the job's own store transforms and MediaCollator; their "tokens" are the encoder's
+positions (patches, feature frames; for Whisper its frames plus the transcript's tokens, each side's MFU
+counted with its own parameters).
 Rounds are interleaved (every row once per round) so drift on a shared, noisy machine hits each alike; the
 median round is reported. MFU is 6 x matmul parameters x padded positions/s against the matmul peak of the
 precision the row computes in, measured in the same run.
@@ -50,8 +54,134 @@ def texts(n: int, seed: int = 0) -> list[tuple[str, int]]:
     return out
 
 
+MEDIA = {
+    "vit": "image-classification",
+    "wav2vec2": "audio-classification",
+    "whisper": "automatic-speech-recognition",
+}
+
+
+def build_media(name: str, device: str) -> tuple[torch.nn.Module, Any, str]:
+    """A small ViT (64x64 images, 8x8 patches), wav2vec2 or Whisper (2 s windows) of width 256, 4 layers
+    (Whisper: 4 + 4), with the processor its jobs use."""
+    from transformers import (
+        ViTConfig,
+        ViTForImageClassification,
+        ViTImageProcessorPil,
+        Wav2Vec2Config,
+        Wav2Vec2FeatureExtractor,
+        Wav2Vec2ForSequenceClassification,
+        WhisperConfig,
+        WhisperForConditionalGeneration,
+    )
+
+    from ortune import media_demo
+    from trainer_core import speech
+
+    torch.manual_seed(0)
+    width = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 1024}
+    model: Any
+    if name == "vit":
+        processor: Any = ViTImageProcessorPil(size={"height": 64, "width": 64})
+        model = ViTForImageClassification(ViTConfig(image_size=64, patch_size=8, num_labels=3, **width))
+    elif name == "wav2vec2":
+        processor = Wav2Vec2FeatureExtractor(sampling_rate=16000, return_attention_mask=True)
+        config = Wav2Vec2Config(
+            num_labels=3,
+            feat_extract_norm="layer",
+            do_stable_layer_norm=True,
+            layerdrop=0.0,
+            mask_time_prob=0.0,
+            **width,
+        )
+        model = Wav2Vec2ForSequenceClassification(config)
+    else:
+        processor = speech.built_processor(t for _, t, _ in media_demo.melody_rows(200, 0))
+        tok = processor.tokenizer
+        start, end = tok.convert_tokens_to_ids(speech.START), tok.convert_tokens_to_ids(speech.END)
+        config = WhisperConfig(
+            vocab_size=len(tok),
+            num_mel_bins=80,
+            d_model=256,
+            encoder_layers=4,
+            decoder_layers=4,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=1024,
+            decoder_ffn_dim=1024,
+            max_source_positions=100,
+            max_target_positions=64,
+            decoder_start_token_id=start,
+            eos_token_id=end,
+            pad_token_id=end,
+            bos_token_id=start,
+        )
+        model = WhisperForConditionalGeneration(config)
+    model.config._attn_implementation = "sdpa"
+    return model.to(device).train(), processor, MEDIA[name]
+
+
+def media_batches(
+    name: str, processor: Any, n: int, batch: int, device: str
+) -> list[dict[str, torch.Tensor]]:
+    from ortune import media_demo
+    from trainer_core import mediastore
+
+    task = MEDIA[name]
+    make = {
+        "vit": media_demo.image_rows,
+        "wav2vec2": media_demo.audio_rows,
+        "whisper": media_demo.melody_rows,
+    }
+    rows = make[name](n * batch, 1)
+    labels = sorted({label for _, label, _ in rows})
+    info: dict[str, Any] = {"media": "image" if name == "vit" else "audio"}
+    items = []
+    for _, target, raw in rows:
+        if name == "vit":
+            values = mediastore.image_values(raw, processor)
+        else:
+            info["rate"] = processor.sampling_rate
+            values = mediastore.clip_values(raw, processor.sampling_rate)
+        if task == mediastore.ASR:
+            info["max_samples"] = processor.max_samples
+            (ids,) = processor.labels(
+                [target], processor.tokenizer.convert_tokens_to_ids("<|startoftranscript|>"), 64
+            )
+            items.append({"values": values, "labels": ids})
+        else:
+            items.append({"values": values, "labels": labels.index(target)})
+    collate = mediastore.MediaCollator(processor, info)
+    order = list(data.BucketSampler([len(i["values"]) for i in items], batch, seed=1))
+    out = [collate([items[i] for i in order[k : k + batch]]) for k in range(0, n * batch, batch)]
+    return [{k: v.to(device) for k, v in b.items()} for b in out]
+
+
+def positions(model: Any, batch: dict[str, torch.Tensor]) -> tuple[int, int, list[tuple[str, int]]]:
+    """(real, padded) positions a batch feeds, and (parameter-name prefix, positions) per part for MFU."""
+    if "input_ids" in batch:
+        real, padded = int(batch["attention_mask"].sum()), batch["attention_mask"].numel()
+        return real, padded, [("", padded)]
+    if "pixel_values" in batch:
+        n = len(batch["pixel_values"]) * ((model.config.image_size // model.config.patch_size) ** 2 + 1)
+        return n, n, [("", n)]
+    if "input_values" in batch:
+        lengths = model._get_feat_extract_output_lengths(batch["attention_mask"].sum(-1))
+        width = model._get_feat_extract_output_lengths(torch.tensor(batch["input_values"].shape[1]))
+        return int(lengths.sum()), int(width) * len(lengths), [("", int(width) * len(lengths))]
+    frames = len(batch["input_features"]) * model.config.max_source_positions
+    tokens = batch["decoder_attention_mask"]
+    return (
+        frames + int(tokens.sum()),
+        frames + tokens.numel(),
+        [("model.encoder.", frames), ("model.decoder.", tokens.numel())],
+    )
+
+
 def build(name: str, device: str) -> tuple[torch.nn.Module, Any, str]:
     """(model, tokenizer, task) with SDPA attention, in fp32, in train mode."""
+    if name in MEDIA:
+        return build_media(name, device)
     from transformers import (
         AutoModelForSequenceClassification,
         AutoTokenizer,
@@ -138,7 +268,7 @@ class Row:
     def __init__(self, name: str, model_name: str, device: str, job_steps: int, warm: list[Any]) -> None:
         self.name, self.device = name, device
         model, tok, self.task = build(model_name, device)
-        self.pad_id = tok.pad_token_id
+        self.pad_id = getattr(tok, "pad_token_id", None)
         self.info: dict[str, Any] = {}
         t0 = time.perf_counter()
         bf16 = name.endswith("bf16")
@@ -226,8 +356,11 @@ def run_model(
     rounds: int,
     job_steps: int,
 ) -> dict[str, Any]:
-    _, tok, task = build(model_name, "cpu")
-    all_batches = batches(tok, task, warmup + steps, batch, max_len, device)
+    model, tok, task = build(model_name, "cpu")
+    if model_name in MEDIA:
+        all_batches = media_batches(model_name, tok, warmup + steps, batch, device)
+    else:
+        all_batches = batches(tok, task, warmup + steps, batch, max_len, device)
     warm, timed = all_batches[:warmup], all_batches[warmup:]
     ready: dict[str, Row] = {}
     unavailable: dict[str, str] = {}
@@ -246,14 +379,24 @@ def run_model(
             sync(device)
             times[name].append(time.perf_counter() - t0)
     first = next(iter(ready.values()))
+
     # matmul work only: lookups cost none (GPT-2's tied wte is also its LM head, a matmul, so it counts)
-    params = sum(
-        p.numel() for n, p in first.model.named_parameters() if "embeddings" not in n and "wpe" not in n
-    )
+    def matmul(prefix: str) -> int:
+        return sum(
+            p.numel()
+            for n, p in first.model.named_parameters()
+            if n.startswith(prefix)
+            and "embeddings" not in n
+            and "wpe" not in n
+            and "embed_positions" not in n
+        )
+
+    params = matmul("")
     peaks = {"fp32": matmul_peak(device, torch.float32), "bf16": matmul_peak(device, torch.bfloat16)}
     samples = batch * steps
-    real = sum(int(b["attention_mask"].sum()) for b in timed)
-    padded = sum(b["attention_mask"].numel() for b in timed)
+    counted = [positions(model, b) for b in timed]
+    real, padded = sum(c[0] for c in counted), sum(c[1] for c in counted)
+    flops = sum(6 * matmul(prefix) * n for c in counted for prefix, n in c[2])
     results: dict[str, Any] = {}
     for name, ts in times.items():
         row = ready[name]
@@ -261,7 +404,7 @@ def run_model(
         results[name] = row.info | {
             "samples_per_s": samples / median,
             "tokens_per_s": real / median,
-            "mfu": 6 * params * padded / median / peaks[row.info["precision"]],
+            "mfu": flops / median / peaks[row.info["precision"]],
             "spread": (max(ts) - min(ts)) / median,
             "rounds_s": ts,
         }
@@ -288,7 +431,8 @@ def run_model(
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"### train_backends ({report['device']}, torch {report['torch']}, batch {report['batch']}, "
-        f"texts up to {report['max_len']} tokens, {report['steps']} steps x {report['rounds']} rounds)",
+        f"texts up to {report['max_len']} tokens, {report['steps']} steps x {report['rounds']} rounds; for "
+        "vit, wav2vec2 and whisper the tokens are encoder positions)",
     ]
     for m in report["models"]:
         peaks = m["peaks_flops"]

@@ -185,7 +185,8 @@ def measure(
     figures: dict[str, Any] = {
         "expected_job_s": round(expected_s, 2),
         "budget_s": round(budget_s, 2),
-        "batch_shape": list(batches[0]["input_ids"].shape),
+        # the model's first input: token ids, pixel values, audio samples or log-mel features
+        "batch_shape": list(next(v for k, v in batches[0].items() if k != "labels").shape),
         "margin": MARGIN,
     }
     if budget_s < ORT_SETUP_FLOOR_S:

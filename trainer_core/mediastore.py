@@ -165,13 +165,15 @@ class MediaCollator:
         return out
 
 
-def _image(data: bytes, processor: Any) -> np.ndarray:
+def image_values(data: bytes, processor: Any) -> np.ndarray:
+    """An image as its store keeps it: resized and cropped by the processor, channels first, 0-255 bytes."""
     img = media.decode_image(data)
     out = processor(images=img, return_tensors="np", do_rescale=False, do_normalize=False)
     return np.clip(np.asarray(out["pixel_values"][0]).round(), 0, 255).astype(np.uint8)
 
 
-def _clip(data: bytes, rate: int, seconds: float = MAX_CLIP_SECONDS) -> np.ndarray:
+def clip_values(data: bytes, rate: int, seconds: float = MAX_CLIP_SECONDS) -> np.ndarray:
+    """A clip as its store keeps it: mono float32 at `rate`, at most `seconds` long."""
     from scipy.signal import resample_poly
 
     sound = media.decode_audio(data)
@@ -217,7 +219,7 @@ def build(
         for name, data in media.members(path, fmt, media.Limits(), 0):
             if name not in layout.targets:
                 continue
-            values = _image(data, processor) if image else _clip(data, info["rate"], seconds)
+            values = image_values(data, processor) if image else clip_values(data, info["rate"], seconds)
             if image:
                 info.setdefault("shape", list(values.shape))
             out.write(values.tobytes())

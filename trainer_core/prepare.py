@@ -211,7 +211,10 @@ def _build_media(
     has_tokenizer: bool,
 ) -> None:
     t0 = time.monotonic()
-    report = lambda done: _progress(events, what, done, total, done / max(time.monotonic() - t0, 1e-9))  # noqa: E731
+
+    def report(done: int) -> None:
+        _progress(events, what, done, total, done / max(time.monotonic() - t0, 1e-9), verb="Decoding")
+
     mediastore.build(path, fmt, store, key, processor, spec, report, has_tokenizer=has_tokenizer)
     rows_done, took = mediastore.MediaStore(store).meta.rows, time.monotonic() - t0
     events.message(
@@ -253,12 +256,14 @@ def check_truncation(store: TokenStore, spec: TrainingSpec, tokenizer: Callable[
         raise ValueError(f"{cut}; truncated_rows is refuse: raise max_seq_length or shorten them")
 
 
-def _progress(events: EventStream, what: str, done: int, total: int | None, rate: float) -> None:
+def _progress(
+    events: EventStream, what: str, done: int, total: int | None, rate: float, verb: str = "Tokenizing"
+) -> None:
     eta = (total - done) / rate if total and rate > 0 else None
     of = f"/{total:,}" if total else ""
     tail = f", ETA {eta:.0f}s" if eta is not None else ""
     events.message(
-        f"Tokenizing {what} data: {done:,}{of} rows, {rate:,.0f} rows/s{tail}",
+        f"{verb} {what} data: {done:,}{of} rows, {rate:,.0f} rows/s{tail}",
         phase="tokenizing",
         rows_done=done,
         rows_total=total,

@@ -70,6 +70,13 @@ async def forward(request: Request, path: str, body: dict[str, Any], stream: boo
 async def _checked(read: ReadDep, caller: Caller, name: str, task: str) -> StoredModel:
     model = await read(lambda session: stored_model(session, caller, name))
     if model.task != task:
+        if model.task not in ("sequence-classification", "causal-lm"):  # images, audio, speech
+            raise APIError(
+                f"{name} is a {model.task} model, which this server does not serve yet: download its ONNX "
+                "artifact (GET /v1/fine_tuning/jobs/{id}/artifacts/onnx) and run it with onnxruntime",
+                param="model",
+                code="model_not_served",
+            )
         use = "/v1/predict" if model.task == "sequence-classification" else "/v1/chat/completions"
         raise APIError(f"{name} is a {model.task} model: use {use}", param="model")
     return model

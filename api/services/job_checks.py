@@ -51,6 +51,15 @@ def method(req: JobCreate, train: File) -> None:
     raise APIError(message, param="training_file", code="invalid_file")
 
 
+def lora(req: JobCreate, task: str) -> None:
+    """LoRA adapts text models here; an image, audio or speech model trains whole."""
+    if req.lora() is not None and task not in ("sequence-classification", "causal-lm"):
+        raise APIError(
+            f"lora is for text models; a {task} job fine-tunes the whole model (leave lora out)",
+            param="method.supervised.lora",
+        )
+
+
 def labels(train: File, valid: File | None, source: Job | None, task: str, model: str) -> list[Any]:
     """A classifier's labels (the training file's): at least two, the validation file's among them, and
     those of the model it continues from."""

@@ -64,6 +64,7 @@ def create(
             code="invalid_file",
         )
     checks.method(req, train)
+    checks.lora(req, task)
     labels = checks.labels(train, valid, source, task, req.model)
     hp = req.effective_hyperparameters()
     if hp.max_steps is not None and hp.max_steps > settings.max_steps:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ortune import media_demo
-from ortune.cli.client import Client
+from ortune.cli.client import APIError, Client
 from tests.support import TERMINAL, series, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -83,6 +83,9 @@ def test_a_media_classifier_learns_and_both_artifacts_agree(
     done = wait_for(service, job["id"], TERMINAL, timeout=600)
     assert done["status"] == "succeeded", done["error"]
     assert done["task"] == f"{kind}-classification"
+    with pytest.raises(APIError, match="does not serve yet: download its ONNX artifact") as unserved:
+        service.post("/v1/predict", {"model": done["fine_tuned_model"], "inputs": "a circle"})
+    assert (unserved.value.status, unserved.value.code) == (400, "model_not_served")
     accuracy = series(service, job["id"], "eval_accuracy")["values"]
     assert accuracy[-1] >= accuracy[0] + gain, accuracy
 

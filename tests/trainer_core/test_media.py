@@ -314,3 +314,34 @@ def test_an_onnx_transcript_that_differs_fails_the_export_naming_the_clip(
         ExportError, match=r"differs from PyTorch's on held-out clip 0: .* against .*ids \[7, 7, 7\]"
     ):
         export_speech.export_onnx(model, processor, tmp_path / "onnx2", store, collator, {"task": spec.task})
+
+
+def test_auto_measures_both_engines_on_an_image_job(tmp_path: Path) -> None:
+    """`backend: auto` in fp32 (where ORT can run on CPU) times PyTorch and ORTModule on the job's own
+    image batches and says which it kept and why, as for text."""
+    from tests.support import launch_trainer
+    from trainer_core.spec import Hyperparameters, TrainingSpec
+
+    archive = media_archive("image", tmp_path / "i.zip", 48, 1)
+    spec = TrainingSpec(
+        job_id="ftjob-media-auto",
+        task="image-classification",
+        model="tiny-vit",
+        train_file=str(archive),
+        train_format="zip",
+        labels=sorted(media_demo.SHAPES),
+        output_dir=str(tmp_path / "out"),
+        precision="fp32",
+        backend="auto",
+        auto_budget_fraction=1000.0,  # measure even this short job
+        hyperparameters=Hyperparameters(max_steps=4, batch_size=8).resolved(48),
+    )
+    code, events, stderr = launch_trainer(spec, tmp_path / "spec.json")
+    assert code == 0, stderr
+    (backend,) = [e for e in events if e["type"] == "backend"]
+    assert backend["used"] in ("torch", "ort") and backend["reason"], backend
+    figures = backend["figures"]
+    assert "ort_ms" in figures, backend
+    assert figures["batch_shape"] == [8, 3, 32, 32] and figures["torch_ms"] > 0 and figures["ort_ms"] > 0, (
+        figures
+    )
