@@ -345,3 +345,58 @@ def test_auto_measures_both_engines_on_an_image_job(tmp_path: Path) -> None:
     assert figures["batch_shape"] == [8, 3, 32, 32] and figures["torch_ms"] > 0 and figures["ort_ms"] > 0, (
         figures
     )
+
+
+@pytest.mark.parametrize("kind", ["image", "speech"])
+def test_a_local_model_directory_trains_through_the_same_code(tmp_path: Path, kind: str) -> None:
+    """A real model as a team keeps one (a directory with its config, safetensors and processor, here a
+    ViT whose head has 5 ImageNet-style classes, or a Whisper with its own tokenizer) trains through the
+    registry's local path: the head gives way to the job's labels, the processor and decoder start come from
+    the directory, and both artifacts carry them."""
+    from tests.support import launch_trainer
+    from trainer_core import mediastore, registry, speech
+    from trainer_core.spec import Hyperparameters, TrainingSpec
+
+    home = tmp_path / "models" / "acme" / f"{kind}-base"
+    if kind == "image":
+        from transformers import ViTConfig, ViTForImageClassification
+
+        config = ViTConfig(
+            image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2
+        )
+        config.intermediate_size, config.num_labels = 64, 5
+        ViTForImageClassification(config).save_pretrained(home)
+        mediastore.built_processor("tiny-vit", []).save_pretrained(home)
+        task, labels = "image-classification", sorted(media_demo.SHAPES)
+    else:
+        processor = speech.built_processor(t for _, t, _ in media_demo.melody_rows(50, 9))
+        speech.built_model(processor).save_pretrained(home)
+        processor.save_pretrained(home)
+        task, labels = "automatic-speech-recognition", []
+    info = registry.resolve(f"acme/{kind}-base", tmp_path / "models")
+    assert info.source == "local" and task in info.tasks
+    spec = TrainingSpec(
+        job_id="ftjob-local-media",
+        task=task,  # type: ignore[arg-type]
+        model=info.id,
+        model_path=str(info.path),
+        train_file=str(media_archive(kind, tmp_path / "t.zip", 24, 1)),
+        train_format="zip",
+        validation_file=str(media_archive(kind, tmp_path / "v.zip", 8, 2)),
+        validation_format="zip",
+        labels=labels,
+        output_dir=str(tmp_path / "out"),
+        hyperparameters=Hyperparameters(max_steps=3, batch_size=8).resolved(24),
+    )
+    code, events, stderr = launch_trainer(spec, tmp_path / "spec.json")
+    assert code == 0, stderr
+    result = events[-1]
+    assert result["type"] == "result" and not result["failed_artifacts"], result
+    for fmt in ("pytorch", "onnx"):
+        saved = tmp_path / "out" / fmt
+        assert (saved / "preprocessor_config.json").is_file()
+        if kind == "image":
+            config = json.loads((saved / "config.json").read_text())
+            assert config["id2label"] == {"0": "circle", "1": "square", "2": "triangle"}
+        else:
+            assert (saved / "tokenizer.json").is_file()
