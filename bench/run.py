@@ -10,6 +10,7 @@ BENCHMARKS = [
     "bench.train_backends",
     "bench.demo_precision",
     "bench.llm_methods",
+    "bench.media_tasks",
     "bench.serve",
     "bench.service_overhead",
     "bench.api_load",

@@ -117,6 +117,7 @@ def build_media(name: str, device: str) -> tuple[torch.nn.Module, Any, str]:
             bos_token_id=start,
         )
         model = WhisperForConditionalGeneration(config)
+        model.config.use_cache = False  # as the trainer loads it: ORTModule cannot flatten a KV cache output
     model.config._attn_implementation = "sdpa"
     return model.to(device).train(), processor, MEDIA[name]
 
