@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from collections.abc import Callable
@@ -124,6 +125,38 @@ class CheckpointPacing(TrainerCallback):
             self.skipped += 1
             return
         self.last = time.monotonic()
+
+
+class Diverged(RuntimeError):
+    """Training produced a loss or gradient that is not a number: the weights are lost from there on."""
+
+
+class DivergenceGuard(TrainerCallback):
+    """Fails the job at the first step whose loss or gradient norm is NaN or infinite, naming the step and
+    the precision, instead of training on (and exporting) weights that are no longer numbers. fp16 is left
+    alone: its loss scaler skips such steps by design."""
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kw: Any,
+    ) -> None:
+        if self.precision == "fp16" or not logs:
+            return
+        for key in ("loss", "grad_norm"):
+            value = logs.get(key)
+            if isinstance(value, int | float) and not math.isfinite(value):
+                raise Diverged(
+                    f"training diverged at step {state.global_step}: its {key.replace('_', ' ')} is {value} "
+                    f"(precision {self.precision}, learning rate {args.learning_rate:g}); a lower "
+                    "learning_rate_multiplier, or precision fp32, trains it in finite numbers"
+                )
 
 
 class StopOnRequest(TrainerCallback):

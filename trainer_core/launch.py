@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from trainer_core.callbacks import EVAL_NAMES, StopOnRequest
+from trainer_core.callbacks import EVAL_NAMES, Diverged, StopOnRequest
 from trainer_core.contract import EXIT_FAILED, EXIT_OK, EXIT_SPEC_ERROR, EXIT_STOPPED, die_with_parent
 from trainer_core.events import EventStream
 from trainer_core.ranks import rank
@@ -287,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         events.emit("error", code=type(exc).__name__, message=str(exc))
         traceback.print_exc()
         return EXIT_SPEC_ERROR
+    except Diverged as exc:
+        events.emit("error", code="training_diverged", message=str(exc))
+        traceback.print_exc()
+        return EXIT_FAILED
     except ExportError as exc:
         events.emit("error", code="ExportError", message=str(exc))
         traceback.print_exc()

@@ -9,7 +9,7 @@ import numpy as np
 
 from trainer_core import mediastore
 from trainer_core.backends import BackendChoice
-from trainer_core.callbacks import CheckpointPacing, EventCallback, StopOnRequest
+from trainer_core.callbacks import CheckpointPacing, DivergenceGuard, EventCallback, StopOnRequest
 from trainer_core.data import BucketSampler, Collator, Packed, PackedCollator
 from trainer_core.datastore import TokenStore
 from trainer_core.events import EventStream
@@ -76,6 +76,7 @@ def common_arguments(
         eval_strategy="steps" if has_eval and hp.eval_every_steps else "no",
         eval_steps=hp.eval_every_steps,
         report_to="none",
+        logging_nan_inf_filter=False,  # a NaN loss is shown (DivergenceGuard fails the job), not averaged out
         disable_tqdm=True,
         dataloader_num_workers=0,
         remove_unused_columns=False,
@@ -167,6 +168,7 @@ def _callbacks(
     return [
         EventCallback(events, hp.batch_size * hp.gradient_accumulation_steps, collator.padding_fraction),
         CheckpointPacing(spec.min_checkpoint_seconds, events),
+        DivergenceGuard(spec.precision),
         *([stop] if stop else []),  # after the pacing: a pause's checkpoint is always taken
     ]
 

@@ -686,3 +686,45 @@ def test_a_packed_job_trains_on_fewer_fuller_sequences(tmp_path: Path) -> None:
     assert losses[-1] < losses[0]
     evals = [e["eval_loss"] for e in events if e["type"] == "metrics" and "eval_loss" in e]
     assert evals[-1] < evals[0]
+
+
+NAN_AT_THIRD_LOSS = """
+import torch.nn.functional as F
+_cross_entropy, _calls = F.cross_entropy, [0]
+def cross_entropy(*args, **kwargs):
+    _calls[0] += 1
+    out = _cross_entropy(*args, **kwargs)
+    return out * float("nan") if _calls[0] == 3 else out
+F.cross_entropy = cross_entropy
+"""
+
+
+def test_a_loss_that_is_not_a_number_fails_the_job_at_its_step(tmp_path: Path) -> None:
+    """A NaN loss (bf16 overflow, a learning rate too high, a bad kernel) fails the job naming the step and
+    the precision; before, the Trainer averaged it out of the logs and the job "succeeded" with NaN weights
+    whose ONNX export then failed parity."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(NAN_AT_THIRD_LOSS)
+    train = write_jsonl(
+        tmp_path / "train.jsonl",
+        [json.loads(x) for x in (DEMO / "sentiment_train.jsonl").read_text().splitlines()[:48]],
+    )
+    spec = TrainingSpec(
+        job_id="ftjob-nan",
+        task="sequence-classification",
+        model="tiny-bert",
+        train_file=str(train),
+        labels=["negative", "positive"],
+        output_dir=str(tmp_path / "out"),
+        precision="fp32",
+        backend="torch",
+        hyperparameters=Hyperparameters(max_steps=6, batch_size=8).resolved(48),
+    )
+    code, events, stderr = launch_trainer(
+        spec, tmp_path / "spec.json", env={"PYTHONPATH": f"{tmp_path / 'hook'}:{ROOT}"}
+    )
+    assert code != 0, stderr
+    error = events[-1]
+    assert error["type"] == "error" and error["code"] == "training_diverged", error
+    assert error["message"].startswith("training diverged at step 3: its loss is nan (precision fp32")
+    assert not any(e["type"] == "artifact" for e in events)  # nothing exported from NaN weights
