@@ -306,21 +306,27 @@ def test_a_node_that_cannot_stage_fails_the_attempt_at_once(settings: Settings, 
 @pytest.mark.e2e
 @pytest.mark.parametrize("settings", ["embedded"], indirect=True)
 @pytest.mark.parametrize(
-    ("kind", "strategy", "backend"), [("image", "ddp", "torch"), ("audio", "zero1", "ort")]
+    ("kind", "strategy", "backend"),
+    [("image", "ddp", "torch"), ("audio", "zero1", "ort"), ("speech", "ddp", "torch")],
 )
-def test_image_and_audio_jobs_across_two_nodes(
+def test_image_audio_and_speech_jobs_across_two_nodes(
     settings: Settings, tmp_path: Path, kind: str, strategy: str, backend: str
 ) -> None:
-    """Media stores reach the other node like token stores, and the classifiers train under DDP and ZeRO-1
-    (ORT inside) with the replicas equal at the end; audio batches are padded clips with their masks."""
+    """Media stores reach the other node like token stores, and the classifiers and the speech recognizer
+    train under DDP and ZeRO-1 (ORT inside) with the replicas equal at the end; audio batches are padded
+    clips with their masks, speech batches padded transcripts with the decoder's."""
     from ortune import media_demo
 
-    make = media_demo.image_rows if kind == "image" else media_demo.audio_rows
+    make = {"image": media_demo.image_rows, "audio": media_demo.audio_rows, "speech": media_demo.melody_rows}
+    column = "transcription" if kind == "speech" else "label"
     s = settings.model_copy(update={"sweep_seconds": 0.5})
     with two_nodes(s, tmp_path) as (client, _):
-        train = client.upload(media_demo.write_archive(tmp_path / "train.zip", make(48, 1)))
+        rows = make[kind](48, 1)
+        train = client.upload(
+            media_demo.write_archive(tmp_path / "t.zip", rows, layout="metadata", column=column)
+        )
         job = client.create_job(
-            model="tiny-vit" if kind == "image" else "tiny-audio",
+            model={"image": "tiny-vit", "audio": "tiny-audio", "speech": "tiny-whisper"}[kind],
             training_file=train["id"],
             backend=backend,
             precision="fp32",
@@ -330,7 +336,8 @@ def test_image_and_audio_jobs_across_two_nodes(
         )
         done = wait_for(client, job["id"], TERMINAL, timeout=400)
         assert done["status"] == "succeeded", done["error"]
-        assert done["backend_used"] == backend and done["task"] == f"{kind}-classification"
+        task = "automatic-speech-recognition" if kind == "speech" else f"{kind}-classification"
+        assert done["backend_used"] == backend and done["task"] == task
         metrics = done["result"]["metrics"]
         assert metrics["replicas_max_rel_diff"] == 0.0
         if backend == "ort":
