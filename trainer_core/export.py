@@ -110,22 +110,14 @@ def export_onnx(
         sample = _inputs(tokenizer, [t + " x" for t in export_texts], names, max_len)
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence", max=max(max_len, 4))
     wrapper = _Logits(model, names)
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    try:
-        program = dynamo_export(
-            wrapper,
-            (),
-            kwargs=sample,
-            input_names=names,
-            output_names=["logits"],
-            dynamic_shapes={n: {0: batch, 1: seq} for n in names},
-            opset_version=18,
-            verbose=False,
-        )
-        assert program is not None
-        program.save(str(directory / "model.onnx"))
-    except Exception as exc:
-        raise _failed(exc) from exc
+    save_onnx(
+        wrapper,
+        directory / "model.onnx",
+        kwargs=sample,
+        input_names=names,
+        output_names=["logits"],
+        dynamic_shapes={n: {0: batch, 1: seq} for n in names},
+    )
     tokenizer.save_pretrained(directory)
     model.config.save_pretrained(directory)
 
@@ -136,15 +128,9 @@ def export_onnx(
     got = session.run(["logits"], {n: check[n].numpy() for n in names})[0]
     with torch.no_grad():
         want = wrapper(**check).numpy()
-    if got.shape != want.shape:
-        raise ExportError(f"ONNX logits shape {got.shape} != PyTorch {want.shape}")
-    if got.ndim == 3:  # causal LM: positions under padding are not compared
-        keep = check["attention_mask"].numpy().astype(bool)
-        diff = float(np.abs(got - want)[keep].max())
-    else:
-        diff = float(np.abs(got - want).max())
-    if not np.isfinite(diff) or diff > PARITY_TOLERANCE:
-        raise ExportError(f"ONNX logits differ from PyTorch by {diff:.3g} (tolerance {PARITY_TOLERANCE})")
+    # causal LM: positions under padding are not compared
+    keep = check["attention_mask"].numpy().astype(bool) if got.ndim == 3 else None
+    diff = logits_parity(got, want, keep)
     manifest = {
         **manifest,
         "format": "onnx",
@@ -156,6 +142,48 @@ def export_onnx(
     }
     write_manifest(directory, manifest)
     return manifest
+
+
+def save_onnx(
+    module: torch.nn.Module,
+    path: Path,
+    *,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    dynamic_shapes: Any,
+) -> None:
+    """Export `module` with torch's dynamo exporter (opset 18) to `path`; any failure is an ExportError
+    with the exporter's own first line."""
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    try:
+        program = dynamo_export(
+            module,
+            args,
+            kwargs=kwargs,
+            input_names=list(input_names),
+            output_names=list(output_names),
+            dynamic_shapes=dynamic_shapes,
+            opset_version=18,
+            verbose=False,
+        )
+        assert program is not None
+        program.save(str(path))
+    except Exception as exc:
+        raise _failed(exc) from exc
+
+
+def logits_parity(got: np.ndarray, want: np.ndarray, keep: np.ndarray | None = None) -> float:
+    """The largest difference of ONNX Runtime's logits from PyTorch's (over `keep` only, when given), or
+    ExportError when the shapes differ or it is over PARITY_TOLERANCE."""
+    if got.shape != want.shape:
+        raise ExportError(f"ONNX logits shape {got.shape} != PyTorch {want.shape}")
+    gap = np.abs(got - want)
+    diff = float((gap[keep] if keep is not None else gap).max())
+    if not np.isfinite(diff) or diff > PARITY_TOLERANCE:
+        raise ExportError(f"ONNX logits differ from PyTorch by {diff:.3g} (tolerance {PARITY_TOLERANCE})")
+    return diff
 
 
 def _failed(exc: BaseException) -> ExportError:

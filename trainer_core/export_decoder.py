@@ -12,7 +12,6 @@ failure); the result is in the manifest (`greedy_parity`).
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer_core.export import PARITY_TOLERANCE, ExportError, _failed, _inputs, write_manifest
-from trainer_core.ort_compat import dynamo_export
+from trainer_core.export import PARITY_TOLERANCE, ExportError, _inputs, save_onnx, write_manifest
 
 
 class _WithCache(torch.nn.Module):
@@ -111,26 +109,19 @@ def export_onnx(
     total, past_seq = torch.export.Dim("total_sequence"), torch.export.Dim("past_sequence")
     names = ["input_ids", "attention_mask", "position_ids", *shape.past_names()]
     outputs = ["logits", *shape.present_names()]
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    try:
-        program = dynamo_export(
-            _WithCache(model),
-            (ids, mask, positions, past),
-            input_names=names,
-            output_names=outputs,
-            dynamic_shapes=(
-                {0: batch, 1: seq},
-                {0: batch, 1: total},
-                {0: batch, 1: seq},
-                tuple({0: batch, 2: past_seq} for _ in past),
-            ),
-            opset_version=18,
-            verbose=False,
-        )
-        assert program is not None
-        program.save(str(directory / "model.onnx"))
-    except Exception as exc:
-        raise _failed(exc) from exc
+    save_onnx(
+        _WithCache(model),
+        directory / "model.onnx",
+        args=(ids, mask, positions, past),
+        input_names=names,
+        output_names=outputs,
+        dynamic_shapes=(
+            {0: batch, 1: seq},
+            {0: batch, 1: total},
+            {0: batch, 1: seq},
+            tuple({0: batch, 2: past_seq} for _ in past),
+        ),
+    )
     tokenizer.save_pretrained(directory)
     model.config.save_pretrained(directory)
     model.generation_config.save_pretrained(directory)

@@ -5,16 +5,13 @@ sample must match PyTorch's within `PARITY_TOLERANCE`. The processor is saved be
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from trainer_core.export import PARITY_TOLERANCE, ExportError, _failed, write_manifest
+from trainer_core.export import PARITY_TOLERANCE, logits_parity, save_onnx, write_manifest
 from trainer_core.mediastore import MediaCollator, MediaStore
-from trainer_core.ort_compat import dynamo_export
 
 
 class _Logits(torch.nn.Module):
@@ -64,22 +61,14 @@ def export_onnx(
         {"attention_mask": sample["attention_mask"]} if len(names) > 1 else {}
     )
     wrapper = _Logits(model)
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    try:
-        program = dynamo_export(
-            wrapper,
-            (),
-            kwargs=args,
-            input_names=names,
-            output_names=["logits"],
-            dynamic_shapes=shapes,
-            opset_version=18,
-            verbose=False,
-        )
-        assert program is not None
-        program.save(str(directory / "model.onnx"))
-    except Exception as exc:
-        raise _failed(exc) from exc
+    save_onnx(
+        wrapper,
+        directory / "model.onnx",
+        kwargs=args,
+        input_names=names,
+        output_names=["logits"],
+        dynamic_shapes=shapes,
+    )
     processor.save_pretrained(directory)
     model.config.save_pretrained(directory)
 
@@ -89,11 +78,7 @@ def export_onnx(
     got = session.run(["logits"], {n: check[n].numpy() for n in names})[0]
     with torch.no_grad():
         want = wrapper(check[names[0]], check.get("attention_mask")).numpy()
-    if got.shape != want.shape:
-        raise ExportError(f"ONNX logits shape {got.shape} != PyTorch {want.shape}")
-    diff = float(np.abs(got - want).max())
-    if not np.isfinite(diff) or diff > PARITY_TOLERANCE:
-        raise ExportError(f"ONNX logits differ from PyTorch by {diff:.3g} (tolerance {PARITY_TOLERANCE})")
+    diff = logits_parity(got, want)
     manifest = {
         **manifest,
         "format": "onnx",

@@ -9,7 +9,6 @@ transcripts differ fails the export naming it and both transcripts.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,8 @@ import numpy as np
 import torch
 
 from trainer_core import speech
-from trainer_core.export import ExportError, _failed, write_manifest
+from trainer_core.export import ExportError, save_onnx, write_manifest
 from trainer_core.mediastore import MediaCollator, MediaStore
-from trainer_core.ort_compat import dynamo_export
 
 CHECK_CLIPS = 8
 
@@ -45,25 +43,6 @@ class _Decoder(torch.nn.Module):
         return out.logits
 
 
-def _export(
-    module: torch.nn.Module, args: tuple[Any, ...], path: Path, names: list[str], shapes: Any
-) -> None:
-    try:
-        program = dynamo_export(
-            module,
-            args,
-            input_names=names,
-            output_names=["last_hidden_state" if isinstance(module, _Encoder) else "logits"],
-            dynamic_shapes=shapes,
-            opset_version=18,
-            verbose=False,
-        )
-        assert program is not None
-        program.save(str(path))
-    except Exception as exc:
-        raise _failed(exc) from exc
-
-
 def export_onnx(
     model: Any,
     processor: speech.SpeechProcessor,
@@ -78,18 +57,25 @@ def export_onnx(
     features = collator(rows)["input_features"]
     sample = features[:2] if len(features) > 1 else features.repeat(2, 1, 1)
     batch, length = torch.export.Dim("batch"), torch.export.Dim("decoder_sequence")
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     encoder, decoder = _Encoder(model), _Decoder(model)
     with torch.no_grad():
         hidden = encoder(sample)
     ids = torch.full((2, 3), model.config.decoder_start_token_id, dtype=torch.long)
-    _export(encoder, (sample,), directory / "encoder.onnx", ["input_features"], ({0: batch},))
-    _export(
+    save_onnx(
+        encoder,
+        directory / "encoder.onnx",
+        args=(sample,),
+        input_names=["input_features"],
+        output_names=["last_hidden_state"],
+        dynamic_shapes=({0: batch},),
+    )
+    save_onnx(
         decoder,
-        (ids, hidden),
         directory / "decoder.onnx",
-        ["decoder_input_ids", "encoder_hidden_states"],
-        ({0: batch, 1: length}, {0: batch}),
+        args=(ids, hidden),
+        input_names=["decoder_input_ids", "encoder_hidden_states"],
+        output_names=["logits"],
+        dynamic_shapes=({0: batch, 1: length}, {0: batch}),
     )
     processor.save_pretrained(directory)
     model.config.save_pretrained(directory)
