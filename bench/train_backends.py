@@ -71,8 +71,6 @@ def build_media(name: str, device: str) -> tuple[torch.nn.Module, Any, str]:
         Wav2Vec2Config,
         Wav2Vec2FeatureExtractor,
         Wav2Vec2ForSequenceClassification,
-        WhisperConfig,
-        WhisperForConditionalGeneration,
     )
 
     from ortune import media_demo
@@ -97,26 +95,7 @@ def build_media(name: str, device: str) -> tuple[torch.nn.Module, Any, str]:
         model = Wav2Vec2ForSequenceClassification(config)
     else:
         processor = speech.built_processor(t for _, t, _ in media_demo.melody_rows(200, 0))
-        tok = processor.tokenizer
-        start, end = tok.convert_tokens_to_ids(speech.START), tok.convert_tokens_to_ids(speech.END)
-        config = WhisperConfig(
-            vocab_size=len(tok),
-            num_mel_bins=80,
-            d_model=256,
-            encoder_layers=4,
-            decoder_layers=4,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=1024,
-            decoder_ffn_dim=1024,
-            max_source_positions=100,
-            max_target_positions=64,
-            decoder_start_token_id=start,
-            eos_token_id=end,
-            pad_token_id=end,
-            bos_token_id=start,
-        )
-        model = WhisperForConditionalGeneration(config)
+        model = speech.built_model(processor, width=256, layers=4, ffn=1024)
         model.config.use_cache = False  # as the trainer loads it: ORTModule cannot flatten a KV cache output
     model.config._attn_implementation = "sdpa"
     return model.to(device).train(), processor, MEDIA[name]
@@ -126,7 +105,7 @@ def media_batches(
     name: str, processor: Any, n: int, batch: int, device: str
 ) -> list[dict[str, torch.Tensor]]:
     from ortune import media_demo
-    from trainer_core import mediastore
+    from trainer_core import mediastore, speech
 
     task = MEDIA[name]
     make = {
@@ -146,9 +125,7 @@ def media_batches(
             values = mediastore.clip_values(raw, processor.sampling_rate)
         if task == mediastore.ASR:
             info["max_samples"] = processor.max_samples
-            (ids,) = processor.labels(
-                [target], processor.tokenizer.convert_tokens_to_ids("<|startoftranscript|>"), 64
-            )
+            (ids,) = processor.labels([target], processor.tokenizer.convert_tokens_to_ids(speech.START), 64)
             items.append({"values": values, "labels": ids})
         else:
             items.append({"values": values, "labels": labels.index(target)})

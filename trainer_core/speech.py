@@ -82,8 +82,9 @@ def built_processor(transcripts: Iterable[str]) -> SpeechProcessor:
     return SpeechProcessor(features, tokenizer)
 
 
-def built_model(processor: SpeechProcessor) -> Any:
-    """Whisper's shape at width 32, 2 encoder and 2 decoder layers, over the 2-second windows."""
+def built_model(processor: SpeechProcessor, *, width: int = 64, layers: int = 2, ffn: int = 128) -> Any:
+    """Whisper's shape over the processor's 2-second windows: tiny-whisper is width 64, 2 encoder and 2
+    decoder layers of 4 heads (bench/train_backends builds a wider one through the same code)."""
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
     tok = processor.tokenizer
@@ -91,13 +92,13 @@ def built_model(processor: SpeechProcessor) -> Any:
     config = WhisperConfig(
         vocab_size=len(tok),
         num_mel_bins=80,
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
+        d_model=width,
+        encoder_layers=layers,
+        decoder_layers=layers,
         encoder_attention_heads=4,
         decoder_attention_heads=4,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
+        encoder_ffn_dim=ffn,
+        decoder_ffn_dim=ffn,
         max_source_positions=processor.feature_extractor.nb_max_frames // 2,
         max_target_positions=64,
         decoder_start_token_id=start,
