@@ -16,7 +16,7 @@ import json
 import stat
 import tarfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
@@ -69,9 +69,13 @@ def _safe_name(name: str) -> str:
     return path.as_posix()
 
 
-def members(path: Any, fmt: str, limits: Limits, compressed_size: int) -> Iterator[tuple[str, bytes]]:
-    """(name, bytes) of every regular file in the archive, in archive order, within `limits`. Folders are
-    skipped; links, devices, unsafe names and a limit passed raise ArchiveError naming them."""
+def members(
+    path: Any, fmt: str, limits: Limits, compressed_size: int, wanted: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of every regular file in the archive, in archive order, within `limits`; a member
+    `wanted` declines comes with b"" (its bytes are not read: a pass that needs only names and metadata does
+    not decompress the images). Folders are skipped; links, devices, unsafe names and a limit passed raise
+    ArchiveError naming them."""
     count = total = 0
 
     def account(name: str, size: int) -> None:
@@ -108,6 +112,9 @@ def members(path: Any, fmt: str, limits: Limits, compressed_size: int) -> Iterat
                         f"(limit max_compression_ratio {limits.ratio:g})"
                     )
                 account(name, info.file_size)
+                if wanted is not None and not wanted(name):
+                    yield name, b""
+                    continue
                 with zf.open(info) as fh:  # never more than the header says: a lying header is cut off
                     data = fh.read(info.file_size + 1)
                 if len(data) != info.file_size:
@@ -123,6 +130,9 @@ def members(path: Any, fmt: str, limits: Limits, compressed_size: int) -> Iterat
                 if not member.isfile():
                     raise ArchiveError(f"member {name!r}: links and special files are refused")
                 account(name, member.size)
+                if wanted is not None and not wanted(name):
+                    yield name, b""  # the stream moves past its bytes without handing them over
+                    continue
                 reader = tar.extractfile(member)
                 assert reader is not None
                 yield name, reader.read()
@@ -203,7 +213,8 @@ def read_layout(
     layout = Layout()
     seen: list[str] = []
     metadata: tuple[str, bytes] | None = None
-    for name, data in members(path, fmt, limits, compressed_size):
+    wanted = None if decode else (lambda name: PurePosixPath(name).name in METADATA)
+    for name, data in members(path, fmt, limits, compressed_size, wanted):
         base = PurePosixPath(name).name
         if base in METADATA:
             if metadata is not None:

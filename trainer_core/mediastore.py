@@ -194,9 +194,9 @@ def build(
     progress: Any,
     *,
     has_tokenizer: bool,
-) -> None:
+) -> Meta:
     """Decode every member the archive lists into the store (a fresh directory); meta.json is written last,
-    so a store is whole or absent. `progress(done)` is called as rows go in."""
+    so a store is whole or absent; the store's Meta. `progress(done)` is called as rows go in."""
     # the upload check passed: here only the names and their targets are read, nothing decoded twice
     checked = Report()
     layout = media.read_layout(path, fmt, media.Limits(), 0, checked, decode=False)
@@ -216,7 +216,7 @@ def build(
     offsets, targets, samples = [0], [], list[str]()
     label_offsets, labels = [0], list[int]()
     with (store / ("values.u8" if image else "values.f32")).open("wb") as out:
-        for name, data in media.members(path, fmt, media.Limits(), 0):
+        for name, data in media.members(path, fmt, media.Limits(), 0, lambda name: name in layout.targets):
             if name not in layout.targets:
                 continue
             values = image_values(data, processor) if image else clip_values(data, info["rate"], seconds)
@@ -246,6 +246,7 @@ def build(
     longest = int(np.diff(offsets).max(initial=0))
     meta = Meta(key, spec.task, rows, len(labels), longest, samples, has_tokenizer)
     (store / "meta.json").write_text(json.dumps(meta.__dict__))
+    return meta
 
 
 def model_start(spec: TrainingSpec, processor: Any) -> int:

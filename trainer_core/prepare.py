@@ -215,8 +215,8 @@ def _build_media(
     def report(done: int) -> None:
         _progress(events, what, done, total, done / max(time.monotonic() - t0, 1e-9), verb="Decoding")
 
-    mediastore.build(path, fmt, store, key, processor, spec, report, has_tokenizer=has_tokenizer)
-    rows_done, took = mediastore.MediaStore(store).meta.rows, time.monotonic() - t0
+    meta = mediastore.build(path, fmt, store, key, processor, spec, report, has_tokenizer=has_tokenizer)
+    rows_done, took = meta.rows, time.monotonic() - t0
     events.message(
         f"Decoded {rows_done:,} {what} files in {took:.1f}s ({rows_done / max(took, 1e-9):,.0f} files/s)",
         phase="tokenizing",

@@ -87,14 +87,11 @@ class MlflowRun:
     def flush(self) -> None:
         if self.pending and self.run_id is not None:
             batch, self.pending = self.pending, []
-            # the server takes at most 1000 metrics a request
-            self._guard(
-                "logging metrics",
-                lambda: [
-                    self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
-                    for i in range(0, len(batch), 1000)
-                ],
-            )
+            self._guard("logging metrics", lambda: self._log(batch))
+
+    def _log(self, metrics: list[Any]) -> None:
+        for i in range(0, len(metrics), 1000):  # the server takes at most 1000 metrics a request
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def model(self, fmt: str, path: Path) -> None:
         if self.options.log_model and self.run_id is not None and fmt in ("pytorch", "onnx", "adapter"):
