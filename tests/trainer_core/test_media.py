@@ -181,6 +181,24 @@ def media_archive(kind: str, path: Path, n: int, seed: int) -> Path:
     return media_demo.write_archive(path, make(n, seed))
 
 
+def media_spec(kind: str, archive: Path, out: Path, **fields: Any) -> Any:
+    """A TrainingSpec for an image, audio or speech job on `archive` with the built model of its kind."""
+    from trainer_core.spec import Hyperparameters, TrainingSpec
+
+    labels = {"image": sorted(media_demo.SHAPES), "audio": sorted(media_demo.PITCHES), "speech": []}[kind]
+    base: dict[str, Any] = {
+        "job_id": f"ftjob-{kind}",
+        "task": "automatic-speech-recognition" if kind == "speech" else f"{kind}-classification",
+        "model": MODELS[kind],
+        "train_file": str(archive),
+        "train_format": "zip",
+        "labels": labels,
+        "output_dir": str(out),
+        "hyperparameters": Hyperparameters(max_steps=3, batch_size=8).resolved(24),
+    }
+    return TrainingSpec(**(base | fields))
+
+
 def media_losses(kind: str, backend: str, tmp: Path) -> tuple[list[float], Any]:
     """Train tiny-vit, tiny-audio or tiny-whisper through the real ORTTrainer, dropout off: what differs
     is the engine."""
@@ -189,21 +207,13 @@ def media_losses(kind: str, backend: str, tmp: Path) -> tuple[list[float], Any]:
     from trainer_core import backends, modeling, prepare, registry, trainer
     from trainer_core.events import EventStream
     from trainer_core.launch import with_stores
-    from trainer_core.spec import Hyperparameters, TrainingSpec
+    from trainer_core.spec import Hyperparameters
 
-    archive = media_archive(kind, tmp / f"{kind}.zip", 48, 4)
     model = MODELS[kind]
-    classify = kind != "speech"
-    spec = TrainingSpec(
-        job_id="ftjob-media-ort",
-        task=f"{kind}-classification" if classify else "automatic-speech-recognition",
-        model=model,
-        train_file=str(archive),
-        train_format="zip",
-        labels=sorted({label for _, label, _ in media_demo.image_rows(3, 0)})
-        if kind == "image"
-        else (sorted(media_demo.PITCHES) if classify else []),
-        output_dir=str(tmp / backend / "out"),
+    spec = media_spec(
+        kind,
+        media_archive(kind, tmp / f"{kind}.zip", 48, 4),
+        tmp / backend / "out",
         seed=3,
         precision="fp32",
         backend=backend,
@@ -282,18 +292,9 @@ def test_an_onnx_transcript_that_differs_fails_the_export_naming_the_clip(
     from trainer_core import export_speech, mediastore, speech
     from trainer_core.datastore import Meta
     from trainer_core.export import ExportError
-    from trainer_core.spec import Hyperparameters, TrainingSpec
 
     archive = media_archive("speech", tmp_path / "s.zip", 6, 1)
-    spec = TrainingSpec(
-        job_id="ftjob-asr-export",
-        task="automatic-speech-recognition",
-        model="tiny-whisper",
-        train_file=str(archive),
-        train_format="zip",
-        output_dir=str(tmp_path / "out"),
-        hyperparameters=Hyperparameters(max_steps=1).resolved(6),
-    )
+    spec = media_spec("speech", archive, tmp_path / "out")
     processor = mediastore.built_processor("tiny-whisper", mediastore.transcripts(archive, "zip"))
     mediastore.build(
         archive, "zip", tmp_path / "store", "k", processor, spec, lambda n: None, has_tokenizer=False
@@ -320,17 +321,12 @@ def test_auto_measures_both_engines_on_an_image_job(tmp_path: Path) -> None:
     """`backend: auto` in fp32 (where ORT can run on CPU) times PyTorch and ORTModule on the job's own
     image batches and says which it kept and why, as for text."""
     from tests.support import launch_trainer
-    from trainer_core.spec import Hyperparameters, TrainingSpec
+    from trainer_core.spec import Hyperparameters
 
-    archive = media_archive("image", tmp_path / "i.zip", 48, 1)
-    spec = TrainingSpec(
-        job_id="ftjob-media-auto",
-        task="image-classification",
-        model="tiny-vit",
-        train_file=str(archive),
-        train_format="zip",
-        labels=sorted(media_demo.SHAPES),
-        output_dir=str(tmp_path / "out"),
+    spec = media_spec(
+        "image",
+        media_archive("image", tmp_path / "i.zip", 48, 1),
+        tmp_path / "out",
         precision="fp32",
         backend="auto",
         auto_budget_fraction=1000.0,  # measure even this short job
@@ -355,7 +351,6 @@ def test_a_local_model_directory_trains_through_the_same_code(tmp_path: Path, ki
     the directory, and both artifacts carry them."""
     from tests.support import launch_trainer
     from trainer_core import mediastore, registry, speech
-    from trainer_core.spec import Hyperparameters, TrainingSpec
 
     home = tmp_path / "models" / "acme" / f"{kind}-base"
     if kind == "image":
@@ -367,26 +362,22 @@ def test_a_local_model_directory_trains_through_the_same_code(tmp_path: Path, ki
         config.intermediate_size, config.num_labels = 64, 5
         ViTForImageClassification(config).save_pretrained(home)
         mediastore.built_processor("tiny-vit", []).save_pretrained(home)
-        task, labels = "image-classification", sorted(media_demo.SHAPES)
+        task = "image-classification"
     else:
         processor = speech.built_processor(t for _, t, _ in media_demo.melody_rows(50, 9))
         speech.built_model(processor).save_pretrained(home)
         processor.save_pretrained(home)
-        task, labels = "automatic-speech-recognition", []
+        task = "automatic-speech-recognition"
     info = registry.resolve(f"acme/{kind}-base", tmp_path / "models")
     assert info.source == "local" and task in info.tasks
-    spec = TrainingSpec(
-        job_id="ftjob-local-media",
-        task=task,  # type: ignore[arg-type]
+    spec = media_spec(
+        kind,
+        media_archive(kind, tmp_path / "t.zip", 24, 1),
+        tmp_path / "out",
         model=info.id,
         model_path=str(info.path),
-        train_file=str(media_archive(kind, tmp_path / "t.zip", 24, 1)),
-        train_format="zip",
         validation_file=str(media_archive(kind, tmp_path / "v.zip", 8, 2)),
         validation_format="zip",
-        labels=labels,
-        output_dir=str(tmp_path / "out"),
-        hyperparameters=Hyperparameters(max_steps=3, batch_size=8).resolved(24),
     )
     code, events, stderr = launch_trainer(spec, tmp_path / "spec.json")
     assert code == 0, stderr
