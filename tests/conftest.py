@@ -22,6 +22,8 @@ from ortune.settings import Settings
 from tests import services
 from tests.support import DEMO, TEST_DEFAULTS, embedded_settings, upload
 
+pytest_plugins = ["tests.timing"]  # per-file and per-fixture times at the end of every run
+
 RUN = uuid.uuid4().hex[:8]
 
 
