@@ -6,11 +6,12 @@ from datetime import datetime
 from types import SimpleNamespace
 from typing import Annotated, Any, Generic, Literal, Protocol, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from ortune.db.models import Artifact, Checkpoint, File, Job, JobEvent
 from ortune.integrations import Integration
 from ortune.search_space import HyperparameterSearch
+from trainer_core import methods
 from trainer_core.spec import (
     Auto,
     Backend,
@@ -20,8 +21,10 @@ from trainer_core.spec import (
     Lora,
     Optim,
     Precision,
+    Supervised,
     Task,
 )
+from trainer_core.spec import Method as TrainedMethod
 
 T = TypeVar("T")
 
@@ -123,6 +126,9 @@ class DpoMethod(BaseModel):
 
 
 class Method(BaseModel):
+    """OpenAI's `method`: its `type` and, under a field of the same name, that method's options. One field
+    per method of trainer_core/methods.py (a test holds the two together)."""
+
     model_config = ConfigDict(extra="forbid")
     type: Literal["supervised", "dpo"] = "supervised"
     supervised: SupervisedMethod | None = None
@@ -130,14 +136,24 @@ class Method(BaseModel):
 
     @model_validator(mode="after")
     def _one_method(self) -> Method:
-        other = "dpo" if self.type == "supervised" else "supervised"
-        if getattr(self, other) is not None:
-            raise ValueError(f"method.{other} given with method.type {self.type}")
+        for other in methods.NAMES:
+            if other != self.type and getattr(self, other) is not None:
+                raise ValueError(f"method.{other} given with method.type {self.type}")
         return self
 
     @property
     def options(self) -> SupervisedMethod | DpoMethod | None:
-        return self.supervised if self.type == "supervised" else self.dpo
+        return getattr(self, self.type)
+
+    def trained(self) -> TrainedMethod:
+        """The method as the trainer takes it, its options resolved ("auto" beta: the default)."""
+        options = self.options
+        if isinstance(options, DpoMethod):
+            hp = options.hyperparameters
+            return Dpo() if hp is None or hp.beta == "auto" else Dpo(beta=hp.beta)
+        if isinstance(options, SupervisedMethod):
+            return Supervised(packing=options.packing)
+        return TypeAdapter(TrainedMethod).validate_python({"type": self.type})  # its defaults
 
 
 class JobCreate(BaseModel):
@@ -175,15 +191,9 @@ class JobCreate(BaseModel):
         options = self.method.options if self.method else None
         return options.lora if options else None
 
-    def packing(self) -> bool:
-        return bool(self.method and self.method.supervised and self.method.supervised.packing)
-
-    def dpo(self) -> Dpo | None:
-        """The DPO settings of a `method.type: dpo` job (beta resolved), None for supervised."""
-        if self.method is None or self.method.type != "dpo":
-            return None
-        hp = self.method.dpo.hyperparameters if self.method.dpo else None
-        return Dpo() if hp is None or hp.beta == "auto" else Dpo(beta=hp.beta)
+    def trained_method(self) -> TrainedMethod:
+        """The method the trainer runs (supervised when the request names none)."""
+        return self.method.trained() if self.method else Supervised()
 
     def effective_hyperparameters(self) -> Hyperparameters:
         options = self.method.options if self.method else None
@@ -210,13 +220,12 @@ def _method(spec: Any, hp: dict[str, Any]) -> dict[str, Any]:
     options: dict[str, Any] = {"hyperparameters": hp}
     if lora is not None:
         options["lora"] = lora.model_dump(mode="json")
-    if getattr(spec, "packing", False):
+    method = getattr(spec, "method", Supervised())
+    if isinstance(method, Supervised) and method.packing:
         options["packing"] = True
-    dpo = getattr(spec, "dpo", None)
-    if dpo is not None:
-        options["hyperparameters"] = hp | {"beta": dpo.beta}
-        return {"type": "dpo", "dpo": options}
-    return {"type": "supervised", "supervised": options}
+    if isinstance(method, Dpo):
+        options["hyperparameters"] = hp | {"beta": method.beta}
+    return {"type": method.type, method.type: options}
 
 
 class FineTuningJob(BaseModel):

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from trainer_core import backends, data, modeling, precision, registry
+from trainer_core import backends, data, modeling, precision, registry, tasks
 from trainer_core.spec import Hyperparameters, TrainingSpec
 
 DEMO = Path(__file__).resolve().parents[1] / "ortune" / "demo_data" / "sentiment_train.jsonl"
@@ -123,7 +123,7 @@ def media_batches(
         else:
             info["rate"] = processor.sampling_rate
             values = mediastore.clip_values(raw, processor.sampling_rate)
-        if task == mediastore.ASR:
+        if mediastore.transcribes(task):
             info["max_samples"] = processor.max_samples
             (ids,) = processor.labels([target], processor.tokenizer.convert_tokens_to_ids(speech.START), 64)
             items.append({"values": values, "labels": ids})
@@ -217,7 +217,7 @@ def batches(
         ids = tok(text, truncation=True, max_length=max_len)["input_ids"]
         items.append({"input_ids": ids, "labels": label if task == "sequence-classification" else ids})
     order = list(data.BucketSampler([len(i["input_ids"]) for i in items], batch, seed=1))
-    collate = data.Collator(tok.pad_token_id, task)
+    collate = data.Collator(tok.pad_token_id, classifies=tasks.get(task).classifies)
     out = [collate([items[i] for i in order[k : k + batch]]) for k in range(0, n * batch, batch)]
     return [{k: v.to(device) for k, v in b.items()} for b in out]
 

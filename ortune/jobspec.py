@@ -1,27 +1,31 @@
 """The job spec as stored on a job row: what the API decided when it accepted the job, read by the API's
 responses, the scheduler, the search and the worker that stages the trainer's own `TrainingSpec`.
 
-Torch-free, strict (`extra="forbid"`) and versioned: rows written before `version` existed load as version 1.
+Torch-free, strict (`extra="forbid"`) and versioned: rows written before `version` existed load as version 1;
+version 2 holds the method as a tagged union (`method: {"type": "dpo", "beta": ...}`) where version 1 had
+`dpo` and `packing` fields, and version-1 rows load into it.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_serializer
+from pydantic import BaseModel, ConfigDict, field_serializer, model_validator
 
 from ortune.integrations import MlflowIntegration
 from ortune.search_space import HyperparameterSearch
 from trainer_core.spec import (
     Backend,
     Distributed,
-    Dpo,
     Hyperparameters,
     Lora,
+    Method,
     Optim,
     Precision,
     ResolvedHyperparameters,
+    Supervised,
     Task,
+    method_from_v1,
 )
 
 
@@ -40,7 +44,7 @@ class BaseModelRef(BaseModel):
 class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    version: Literal[1] = 1
+    version: Literal[2] = 2
     task: Task
     labels: list[str | int] = []
     backend: Backend = "auto"
@@ -49,8 +53,7 @@ class JobSpec(BaseModel):
     checkpoint_every_steps: int | None = None
     keep_checkpoints: int = 3  # the last N checkpoints are kept in storage, and the best one
     lora: Lora | None = None  # an adapter instead of full fine-tuning
-    dpo: Dpo | None = None  # method dpo; None: supervised
-    packing: bool = False  # method.supervised.packing
+    method: Method = Supervised()
     base: BaseModelRef | None = None  # continuing from an earlier job's model (`model: ft:...`)
     distributed: Distributed = Distributed()
     # As the user asked, with OpenAI's "auto" values shown resolved (the job's `hyperparameters` field)...
@@ -63,6 +66,13 @@ class JobSpec(BaseModel):
     # A search trial's own parameters (a child job of a search).
     search_params: dict[str, float | int] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _version_1(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("version", 1) == 1:
+            data = {**method_from_v1(data), "version": 2}
+        return data
+
     @field_serializer("requested_hyperparameters")
     def _only_what_was_asked(self, hp: Hyperparameters) -> dict[str, Any]:
         return hp.model_dump(mode="json", exclude_defaults=True)
@@ -71,7 +81,7 @@ class JobSpec(BaseModel):
     def build(cls, hp: Hyperparameters, n_rows: int, *, world_size: int = 1, **fields: Any) -> JobSpec:
         """A spec with `hp` resolved for a file of `n_rows` rows. An "auto" batch of a multi-process job is
         rounded up to a multiple of `world_size`, so that it splits over its processes."""
-        resolved = hp.resolved(n_rows, fields.get("task", "sequence-classification"))
+        resolved = hp.resolved(n_rows, fields.get("task"))
         shown = hp.model_dump(mode="json") | {
             "n_epochs": resolved.n_epochs,
             "batch_size": resolved.batch_size,
@@ -115,8 +125,7 @@ class JobSpec(BaseModel):
             "checkpoint_every_steps": self.checkpoint_every_steps,
             "distributed": self.distributed,
             "lora": self.lora,
-            "dpo": self.dpo,
-            "packing": self.packing,
+            "method": self.method,
         }
 
     @property

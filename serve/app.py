@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ortune.inference import ChatCompletionRequest, CompletionRequest, Generation, PredictRequest, error
 from ortune.settings import Settings, get_settings
 from ortune.storage import ArchiveUnusable, open_store
-from serve.models import Classifier, Decoder, ModelCache, Ref, Sampling, TooLarge
+from serve.models import Classifier, Decoder, ModelCache, NotServed, Ref, Sampling, TooLarge
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -77,6 +77,8 @@ def _model(cache: ModelCache, stored: Any) -> Decoder | Classifier | JSONRespons
         return cache.get(Ref(stored.name, stored.object_key, stored.sha256))
     except TooLarge as exc:
         return _refuse(str(exc), "model", code="model_too_large")
+    except NotServed as exc:
+        return _refuse(f"{stored.name}: {exc}", "model", code="model_not_served")
     except ArchiveUnusable as exc:
         return _refuse(str(exc), "model", status=404, code="model_not_found")
 

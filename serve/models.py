@@ -16,13 +16,17 @@ from typing import Any
 import numpy as np
 
 from ortune.storage import ObjectStore, fetch_archive
-from trainer_core import chat
+from trainer_core import chat, tasks
 
 MANIFEST = "ortune_manifest.json"
 
 
 class TooLarge(ValueError):
     """A model bigger than the whole cache."""
+
+
+class NotServed(ValueError):
+    """An artifact of a task this server does not serve (its manifest says how it is served)."""
 
 
 @dataclass(frozen=True)
@@ -363,11 +367,24 @@ class ModelCache:
             return model
 
 
+def serving(manifest: dict[str, Any]) -> str | None:
+    """How an artifact is served: its manifest's `serving`, or for artifacts exported before manifests
+    said so, its task's (TaskInfo.serving)."""
+    if "serving" in manifest:
+        return str(manifest["serving"])
+    task = manifest.get("task")
+    return tasks.get(task).serving if task in tasks.TASKS else None
+
+
 def _load(directory: Path) -> Decoder | Classifier:
     import onnxruntime as ort
 
     manifest = json.loads((directory / MANIFEST).read_text())
+    kind = LOADERS.get(serving(manifest) or "")
+    if kind is None:
+        raise NotServed(f"a {manifest.get('task', 'model of unknown task')} artifact is not served here")
     session = ort.InferenceSession(str(directory / "model.onnx"), providers=["CPUExecutionProvider"])
-    if manifest.get("task") == "causal-lm":
-        return Decoder(directory, session, manifest)
-    return Classifier(directory, session, manifest)
+    return kind(directory, session, manifest)
+
+
+LOADERS: dict[str, type[Decoder] | type[Classifier]] = {"chat": Decoder, "predict": Classifier}

@@ -42,8 +42,8 @@ def ort_problem(spec: TrainingSpec, *, cuda: bool) -> str | None:
         return (
             "gradient checkpointing runs under PyTorch: ORTModule exports one graph and plans its own memory"
         )
-    if spec.dpo is not None:
-        return "DPO trains under PyTorch: TRL's DPOTrainer runs a reference model beside the policy"
+    if spec.method_info.ort_problem is not None:
+        return spec.method_info.ort_problem
     if spec.packing:
         return (
             "packed sequences train under PyTorch: their attention mask is built from the position ids at "

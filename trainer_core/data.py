@@ -55,9 +55,9 @@ class Collator:
     """Pads to the longest example in the batch; labels of padding are ignored by the loss. Counts the real
     and the padded positions it makes, for the padding fraction the metrics report."""
 
-    def __init__(self, pad_id: int, task: str) -> None:
+    def __init__(self, pad_id: int, *, classifies: bool = False) -> None:
         self.pad_id = pad_id
-        self.task = task
+        self.classifies = classifies  # a class index per row, else a target per token
         self.real = self.padded = 0
 
     def padding_fraction(self) -> float | None:
@@ -77,7 +77,7 @@ class Collator:
             ids[i, :n] = torch.tensor(b["input_ids"])
             mask[i, :n] = 1
         out = {"input_ids": ids, "attention_mask": mask}
-        if self.task == "sequence-classification":
+        if self.classifies:
             out["labels"] = torch.tensor([b["labels"] for b in batch], dtype=torch.long)
         else:
             labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)

@@ -26,7 +26,11 @@ from typing import Any
 
 import numpy as np
 
-VERSION = 2  # 2: causal-LM stores carry a per-token loss mask (every assistant turn)
+from trainer_core import tasks
+
+# 2: causal-LM stores carry a per-token loss mask (every assistant turn); 3: the key holds the method, which
+# decides how a row is laid out (a DPO pair is two store rows)
+VERSION = 3
 IGNORE = -100
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -58,13 +62,16 @@ def store_key(
     model: str,
     tokenizer: str,
     task: str,
+    method: str,
     max_seq_length: int,
     labels: list[Any],
     tokenized_with: str | None = None,
 ) -> str:
-    """The key of a file's store: everything that changes its token ids. A validation file is tokenized
-    with the training store's tokenizer, named by `tokenized_with` (the training store's key)."""
-    parts = [VERSION, file_sha256, model, tokenizer, task, max_seq_length, [str(x) for x in labels]]
+    """The key of a file's store: everything that changes its token ids and their layout. A validation
+    file is tokenized with the training store's tokenizer, named by `tokenized_with` (the training store's
+    key)."""
+    labels_ = [str(x) for x in labels]
+    parts = [VERSION, file_sha256, model, tokenizer, task, method, max_seq_length, labels_]
     blob = json.dumps([*parts, tokenized_with], separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:32]
 
@@ -102,6 +109,7 @@ class TokenStore:
             else np.zeros(0, np.uint32)
         )
         self.lengths = np.diff(self.offsets)
+        self.classifies = tasks.get(self.meta.task).classifies
         loss = path / "loss.u8"
         self.loss = (
             np.memmap(loss, dtype=np.uint8, mode="r", shape=(size,)) if size and loss.is_file() else None
@@ -113,7 +121,7 @@ class TokenStore:
     def __getitem__(self, i: int) -> dict[str, Any]:
         ids = self.ids[self.offsets[i] : self.offsets[i + 1]].astype(np.int64).tolist()
         target = int(self.targets[i])
-        if self.meta.task == "sequence-classification":
+        if self.classifies:
             return {"input_ids": ids, "labels": target}
         assert self.loss is not None, f"{self.path} has no loss mask"
         carries = self.loss[self.offsets[i] : self.offsets[i + 1]]
@@ -133,7 +141,7 @@ class StoreWriter:
         self._ids = (path / "ids.u32").open("wb")
         self._offsets = (path / "offsets.i64").open("wb")
         self._targets = (path / "targets.i64").open("wb")
-        self._loss = (path / "loss.u8").open("wb") if task != "sequence-classification" else None
+        self._loss = (path / "loss.u8").open("wb") if not tasks.get(task).classifies else None
         self._offsets.write(np.zeros(1, np.int64).tobytes())
         self.rows = self.tokens = self.longest = self.dropped = 0
         self.dropped_lines: list[int] = []

@@ -29,7 +29,7 @@ class PairCollator(Collator):
     and `completion_mask`, the preferred halves first."""
 
     def __init__(self, pad_id: int, stores: dict[str, TokenStore]) -> None:
-        super().__init__(pad_id, "causal-lm")
+        super().__init__(pad_id)
         self.stores = stores
 
     def sequences(self, split: str, pair: int) -> list[tuple[np.ndarray, np.ndarray]]:

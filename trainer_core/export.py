@@ -12,6 +12,7 @@ import json
 import logging
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,23 @@ MANIFEST = "ortune_manifest.json"
 
 class ExportError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """What every exporter checks its ONNX against: the held-out store (the training one when the job has
+    none), the collator that batched it in training, and the job's sequence length.
+
+    Every exporter family has one signature, `export_onnx(model, tokenizer, directory, held_out, manifest)`,
+    named by its task's `TaskInfo.exporter`."""
+
+    store: Any
+    collator: Any
+    max_len: int = 128
+
+    @property
+    def texts(self) -> list[str]:
+        return list(self.store.meta.samples)
 
 
 class _Logits(torch.nn.Module):
@@ -88,6 +106,13 @@ def _inputs(
 
 
 def export_onnx(
+    model: Any, tokenizer: Any, directory: Path, held_out: HeldOut, manifest: dict[str, Any]
+) -> dict[str, Any]:
+    """An encoder classifier's logits graph, checked on the held-out rows' texts."""
+    return export_texts(model, tokenizer, directory, held_out.texts, manifest, max_len=held_out.max_len)
+
+
+def export_texts(
     model: Any,
     tokenizer: Any,
     directory: Path,

@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer_core.export import PARITY_TOLERANCE, ExportError, _inputs, save_onnx, write_manifest
+from trainer_core.export import (
+    PARITY_TOLERANCE,
+    ExportError,
+    HeldOut,
+    _inputs,
+    save_onnx,
+    write_manifest,
+)
 
 
 class _WithCache(torch.nn.Module):
@@ -85,6 +92,13 @@ GREEDY_NEW_TOKENS = 16
 
 
 def export_onnx(
+    model: Any, tokenizer: Any, directory: Path, held_out: HeldOut, manifest: dict[str, Any]
+) -> dict[str, Any]:
+    """A decoder with its KV cache, checked by greedy generation on the held-out rows' texts."""
+    return export_texts(model, tokenizer, directory, held_out.texts, manifest, max_len=held_out.max_len)
+
+
+def export_texts(
     model: Any,
     tokenizer: Any,
     directory: Path,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from trainer_core.export import PARITY_TOLERANCE, logits_parity, save_onnx, write_manifest
+from trainer_core.export import PARITY_TOLERANCE, HeldOut, logits_parity, save_onnx, write_manifest
 from trainer_core.mediastore import MediaCollator, MediaStore
 
 
@@ -30,13 +30,10 @@ def _batch(store: MediaStore, collator: MediaCollator, rows: list[int]) -> dict[
 
 
 def export_onnx(
-    model: Any,
-    processor: Any,
-    directory: Path,
-    store: MediaStore,
-    collator: MediaCollator,
-    manifest: dict[str, Any],
+    model: Any, processor: Any, directory: Path, held_out: HeldOut, manifest: dict[str, Any]
 ) -> dict[str, Any]:
+    store: MediaStore = held_out.store
+    collator: MediaCollator = held_out.collator
     directory.mkdir(parents=True, exist_ok=True)
     model = model.float().eval().cpu()
     n = len(store)

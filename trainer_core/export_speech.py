@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from trainer_core import speech
-from trainer_core.export import ExportError, save_onnx, write_manifest
+from trainer_core.export import ExportError, HeldOut, save_onnx, write_manifest
 from trainer_core.mediastore import MediaCollator, MediaStore
 
 CHECK_CLIPS = 8
@@ -47,10 +47,11 @@ def export_onnx(
     model: Any,
     processor: speech.SpeechProcessor,
     directory: Path,
-    store: MediaStore,
-    collator: MediaCollator,
+    held_out: HeldOut,
     manifest: dict[str, Any],
 ) -> dict[str, Any]:
+    store: MediaStore = held_out.store
+    collator: MediaCollator = held_out.collator
     directory.mkdir(parents=True, exist_ok=True)
     model = model.float().eval().cpu()
     rows = [store[i] for i in range(min(len(store), CHECK_CLIPS))]

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,25 +42,33 @@ class Stopped(Exception):
 
 
 def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = None) -> None:
-    # Setup: everything that can fail fast fails before the model loads.
+    """The recipe: set up (fail fast, then load), train with an evaluation before and after, save."""
+    job = setup(spec, events, stop)
+    final = train(job, stop)
+    if rank() == 0:  # rank 0 saves, exports and reports for the whole job
+        save(job, final)
+
+
+@dataclass
+class Job:
+    """What setup hands to training and saving."""
+
+    spec: TrainingSpec
+    events: EventStream
+    choice: Any  # backends.BackendChoice
+    loaded: Any  # modeling.Loaded
+    train_set: Any
+    valid_set: Any
+    hf_trainer: Any = None
+
+
+def setup(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = None) -> Job:
+    """Everything that can fail fast fails before the model loads; then the stores, the model, the engine
+    (measured when backend is auto) and the method's Trainer."""
     import torch
     import transformers
 
-    from trainer_core import (
-        backends,
-        export,
-        export_decoder,
-        export_media,
-        export_speech,
-        mediastore,
-        modeling,
-        ort_trainer,
-        precision,
-        prepare,
-        ranks,
-        registry,
-        trainer,
-    )
+    from trainer_core import backends, modeling, precision, prepare, registry
 
     transformers.utils.logging.set_verbosity_error()
     cuda = torch.cuda.is_available()
@@ -69,12 +78,8 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     transformers.set_seed(spec.seed)
     spec = with_stores(spec)
     train_set, valid_set = prepare.ensure(spec, events)
-    info = registry.ModelInfo(
-        spec.model,
-        "built" if spec.model_path is None else "local",
-        Path(spec.model_path) if spec.model_path else None,
-        registry.ALL_TASKS,
-    )
+    path = Path(spec.model_path) if spec.model_path else None
+    info = registry.ModelInfo(spec.model, "built" if path is None else "local", path, registry.ALL_TASKS)
     events.emit("phase", name="loading")
     t0 = time.perf_counter()
     # ORT's gradient builder cannot take SDPA attention; `measure` switches it as it times each engine.
@@ -91,26 +96,27 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
     if choice.needs_measurement:
         choice, ort_module = _measure(spec, choice, loaded, train_set, cuda=cuda)
     _report_backend(events, choice, chosen_precision)
-    hf_trainer = trainer.build(
-        spec,
-        choice,
-        loaded.model,
-        loaded.tokenizer,
-        train_set,
-        valid_set,
-        events,
-        cuda=cuda,
-        ort_module=ort_module,
-        stop=stop,
+    job = Job(spec, events, choice, loaded, train_set, valid_set)
+    job.hf_trainer = spec.method_info.load("trainer")(
+        spec, choice, loaded, train_set, valid_set, events, cuda=cuda, ort_module=ort_module, stop=stop
     )
+    return job
 
-    # Train, with an evaluation before and after so the job shows what training bought.
+
+def train(job: Job, stop: StopOnRequest | None) -> dict[str, float]:
+    """Train, with an evaluation before and after so the job shows what training bought; the final
+    metrics."""
+    from trainer_core import ranks
+
+    spec, hf_trainer, valid_set = job.spec, job.hf_trainer, job.valid_set
     if valid_set is not None and spec.resume_from is None:
         hf_trainer.evaluate()  # the callback reports it as step 0
     result = hf_trainer.train(resume_from_checkpoint=spec.resume_from)
     if stop is not None and stop.requested:
         step = hf_trainer.state.global_step
-        events.emit("stopped", step=step)  # the worker tells a stop from a crash by this, not the exit code
+        job.events.emit(
+            "stopped", step=step
+        )  # the worker tells a stop from a crash by this, not the exit code
         raise Stopped(step)
     final: dict[str, float] = {"train_loss": float(result.training_loss)}
     if spec.hyperparameters.gradient_checkpointing:  # what the model really did, not what was asked
@@ -125,15 +131,18 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
         final |= {EVAL_NAMES[k]: float(v) for k, v in after.items() if k in EVAL_NAMES}
     if spec.distributed.world_size > 1:  # every rank, before rank 0 goes on alone: it is a collective
         final["replicas_max_rel_diff"] = ranks.check_in_sync(hf_trainer.plain_model)
+    return final
 
-    if rank() != 0:
-        return  # rank 0 saves, exports and reports for the whole job
-    if choice.used == "ort":
+
+def save(job: Job, final: dict[str, float]) -> None:
+    """The PyTorch directory (and a LoRA job's adapter), the ONNX export checked against it, the result."""
+    from trainer_core import export, ort_trainer
+
+    spec, events, hf_trainer = job.spec, job.events, job.hf_trainer
+    if job.choice.used == "ort":
         nodes = ort_trainer.training_graph_nodes(hf_trainer.ort_module)
         final["ort_training_graph_nodes"] = nodes
         events.message(f"ONNX Runtime trained this job: its training graph has {nodes} nodes")
-
-    # Save: a Hugging Face directory and an ONNX export checked against it.
     out = Path(spec.output_dir)
     # without the autocast wrapper Accelerate put on forward for mixed precision: the export traces fp32
     model = hf_trainer.accelerator.unwrap_model(hf_trainer.model, keep_fp32_wrapper=False)
@@ -141,51 +150,24 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
         "job_id": spec.job_id,
         "base_model": spec.model,
         "task": spec.task,
-        "method": "dpo" if spec.dpo is not None else "supervised",
+        "method": spec.method.type,
+        "serving": spec.task_info.serving,  # how serve loads the ONNX artifact (serve/models.py)
         "labels": spec.labels,
-        "backend_used": choice.used,
+        "backend_used": job.choice.used,
         "steps": hf_trainer.state.global_step,
         "metrics": final,
     }
+    tokenizer = job.loaded.tokenizer
     if spec.lora is not None:  # the adapter as trained, then the model with it merged in for the rest
         manifest["lora"] = spec.lora.model_dump()
-        adapter = export.save_adapter(model, loaded.tokenizer, out / "adapter", manifest)
+        adapter = export.save_adapter(model, tokenizer, out / "adapter", manifest)
         events.emit("artifact", format="adapter", path=str(out / "adapter"), manifest=adapter)
         model = model.merge_and_unload()
-    pt = export.save_pytorch(model, loaded.tokenizer, out / "pytorch", manifest)
+    pt = export.save_pytorch(model, tokenizer, out / "pytorch", manifest)
     events.emit("artifact", format="pytorch", path=str(out / "pytorch"), manifest=pt)
-    samples = (valid_set or train_set).meta.samples
-    failed: dict[str, str] = {}
-    parity: float | None = None
-    # ONNX is made from, and checked against, the PyTorch model as stored: not the trainer's copy, whose
-    # forward may still carry wrappers (a second mixed-precision wrap when the trainer prepared it twice, as
-    # DPO's did, left autocast in place, and its bf16 greedy decoding then disagreed with ONNX's)
     del model
-    model = modeling.from_directory(out / "pytorch", spec.task)
-    try:
-        if mediastore.is_media(spec.task):  # checked on the held-out rows as the collator batches them
-            collator = trainer.collator_for(spec, loaded.tokenizer, valid_set or train_set)
-            media_export = export_speech if spec.task == mediastore.ASR else export_media
-            onnx = media_export.export_onnx(
-                model, loaded.tokenizer, out / "onnx", valid_set or train_set, collator, manifest
-            )
-        else:
-            exporter = export_decoder.export_onnx if spec.task == "causal-lm" else export.export_onnx
-            onnx = exporter(
-                model,
-                loaded.tokenizer,
-                out / "onnx",
-                samples,
-                manifest,
-                max_len=spec.hyperparameters.max_seq_length,
-            )
-        events.emit("artifact", format="onnx", path=str(out / "onnx"), manifest=onnx)
-        parity = onnx["parity"]["max_abs_diff"]
-    except export.ExportError as exc:
-        # the training succeeded and its PyTorch model is stored: a failed export costs that artifact only
-        failed["onnx"] = str(exc)
-        events.message(f"{exc}; the job keeps its PyTorch model", level="warn", format="onnx")
-    tokens = train_set.meta.tokens * spec.hyperparameters.n_epochs or None  # None: media trains on no tokens
+    failed, parity = _save_onnx(job, out, manifest)
+    tokens = job.train_set.meta.tokens * spec.hyperparameters.n_epochs or None  # None: media has no tokens
     events.emit(
         "result",
         metrics=final,
@@ -194,6 +176,27 @@ def run(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = No
         onnx_max_abs_diff=parity,
         failed_artifacts=failed,
     )
+
+
+def _save_onnx(job: Job, out: Path, manifest: dict[str, Any]) -> tuple[dict[str, str], float | None]:
+    """The task's exporter over the PyTorch model as stored, checked on the held-out rows as the collator
+    batches them; a failed export costs that artifact only. The stored model, not the trainer's copy: its
+    forward may still carry a mixed-precision wrapper, and bf16 greedy decoding then disagrees with ONNX."""
+    from trainer_core import export, modeling, trainer
+
+    spec, tokenizer = job.spec, job.loaded.tokenizer
+    model = modeling.from_directory(out / "pytorch", spec.task)
+    rows = job.valid_set or job.train_set
+    held_out = export.HeldOut(
+        rows, trainer.collator_for(spec, tokenizer, rows), max_len=spec.hyperparameters.max_seq_length
+    )
+    try:
+        onnx = spec.task_info.load("exporter")(model, tokenizer, out / "onnx", held_out, manifest)
+    except export.ExportError as exc:
+        job.events.message(f"{exc}; the job keeps its PyTorch model", level="warn", format="onnx")
+        return {"onnx": str(exc)}, None
+    job.events.emit("artifact", format="onnx", path=str(out / "onnx"), manifest=onnx)
+    return {}, onnx["parity"]["max_abs_diff"]
 
 
 def _die_with_launcher() -> None:

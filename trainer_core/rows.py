@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from trainer_core import tasks
+
 KINDS: dict[str, frozenset[str]] = {
     "text_label": frozenset({"text", "label"}),
     "prompt_completion": frozenset({"prompt", "completion"}),
@@ -27,21 +29,6 @@ MEDIA_KINDS: dict[str, str] = {
     "image_label": "an archive of images with labels",
     "audio_label": "an archive of audio clips with labels",
     "audio_transcription": "an archive of audio clips with transcriptions",
-}
-TASK_KINDS: dict[str, tuple[str, ...]] = {
-    "sequence-classification": ("text_label",),
-    "causal-lm": ("text", "prompt_completion", "chat", "preference"),
-    "image-classification": ("image_label",),
-    "audio-classification": ("audio_label",),
-    "automatic-speech-recognition": ("audio_transcription",),
-}
-CLASSIFICATION_TASKS = ("sequence-classification", "image-classification", "audio-classification")
-DEFAULT_TASK = {"text_label": "sequence-classification", "image_label": "image-classification"}
-DEFAULT_TASK |= {"audio_label": "audio-classification", "audio_transcription": "automatic-speech-recognition"}
-# What each method trains on: DPO on preference pairs only, supervised on anything else.
-METHOD_KINDS: dict[str, tuple[str, ...]] = {
-    "supervised": ("text_label", "text", "prompt_completion", "chat", *MEDIA_KINDS),
-    "dpo": ("preference",),
 }
 FORMATS = ("jsonl", "csv")
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -58,13 +45,8 @@ def file_format(filename: str) -> str | None:
     return {"jsonl": "jsonl", "json": "jsonl", "ndjson": "jsonl", "csv": "csv"}.get(suffix)
 
 
-def task_of(kind: str | None) -> str:
-    """The task a file's rows train for when the job does not say: labels classify, the rest is text."""
-    return DEFAULT_TASK.get(kind or "", "causal-lm")
-
-
-def required_columns(name: str, by: str = "task") -> str:
-    kinds = (TASK_KINDS if by == "task" else METHOD_KINDS)[name]
+def required_columns(kinds: Iterable[str]) -> str:
+    """Row kinds as a refusal names them: their fields, or what an archive of them holds."""
     return " or ".join(
         MEDIA_KINDS[k] if k in MEDIA_KINDS else "{" + ", ".join(sorted(KINDS[k])) + "}" for k in kinds
     )
@@ -245,7 +227,7 @@ def check_rows(
 ) -> Report:
     """Check every row: one kind per file, the task's required columns, the row limit."""
     report = Report()
-    allowed = TASK_KINDS.get(task) if task else None
+    allowed = tasks.get(task).row_kinds if task else None
     for lineno, row in rows:
         if isinstance(row, RowError):
             report.fail(f"line {lineno}: {row}")
@@ -259,7 +241,7 @@ def check_rows(
             report.kind = kind
             if allowed and kind not in allowed:
                 report.fail(
-                    f"line {lineno}: task {task} needs rows with {required_columns(task or '')}, "
+                    f"line {lineno}: task {task} needs rows with {required_columns(allowed)}, "
                     f"got a {kind} row"
                 )
         elif kind != report.kind:
@@ -291,8 +273,6 @@ def check_file(
 __all__ = [
     "FORMATS",
     "KINDS",
-    "METHOD_KINDS",
-    "TASK_KINDS",
     "LineTooLong",
     "Report",
     "RowError",

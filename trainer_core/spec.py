@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from trainer_core import methods, tasks
+
+# The task and method registries' names as types (tests/trainer_core/test_registries.py keeps them equal).
 Task = Literal[
     "sequence-classification",
     "causal-lm",
@@ -52,7 +55,9 @@ class Hyperparameters(Strict):
     # ("drop"), or fails the job naming its lines ("refuse"). A file of nothing else always fails.
     truncated_rows: Literal["drop", "refuse"] = "drop"
 
-    def resolved(self, n_rows: int, task: str = "sequence-classification") -> ResolvedHyperparameters:
+    def resolved(self, n_rows: int, task: str | None = None) -> ResolvedHyperparameters:
+        """The values a job trains with; max_seq_length by the task when not given (tasks.py)."""
+        max_length = tasks.get(task).max_length if task else tasks.DEFAULT_MAX_LENGTH
         batch = self.batch_size if self.batch_size != "auto" else max(1, min(16, n_rows // 8 or 1))
         epochs = self.n_epochs if self.n_epochs != "auto" else 3
         base_lr = 5e-5 if self.learning_rate is None else self.learning_rate
@@ -62,7 +67,7 @@ class Hyperparameters(Strict):
             batch_size=batch,
             learning_rate=base_lr * mult,
             max_steps=self.max_steps,
-            max_seq_length=self.max_seq_length or (2048 if task == "causal-lm" else 128),
+            max_seq_length=self.max_seq_length or max_length,
             warmup_ratio=self.warmup_ratio,
             weight_decay=self.weight_decay,
             eval_every_steps=self.eval_every_steps,
@@ -84,11 +89,33 @@ class Lora(Strict):
     )
 
 
+class Supervised(Strict):
+    """Supervised fine-tuning on the rows' own targets: labels, completions, assistant turns."""
+
+    type: Literal["supervised"] = "supervised"
+    packing: bool = False  # short causal-LM rows packed into full sequences (data.Packed)
+
+
 class Dpo(Strict):
     """Direct preference optimisation (TRL's DPOTrainer) on preference pairs instead of supervised targets."""
 
+    type: Literal["dpo"] = "dpo"
     # how strongly the model is held to its reference (the base it started from): higher stays closer
     beta: Annotated[float, Field(gt=0, le=10)] = 0.1
+
+
+# One entry per row of trainer_core/methods.py, told apart by `type`.
+Method = Annotated[Supervised | Dpo, Field(discriminator="type")]
+
+
+def method_from_v1(data: Any) -> Any:
+    """A version-1 spec's `dpo` and `packing` fields as the version-2 `method`, so stored specs load."""
+    if not isinstance(data, dict) or "method" in data or not {"dpo", "packing"} & set(data):
+        return data
+    data = dict(data)
+    dpo, packing = data.pop("dpo", None), data.pop("packing", False)
+    data["method"] = {"type": "dpo", **dpo} if dpo is not None else {"type": "supervised", "packing": packing}
+    return data
 
 
 class ResolvedHyperparameters(Strict):
@@ -144,23 +171,39 @@ class TrainingSpec(Strict):
     auto_budget_fraction: Annotated[float, Field(gt=0)] = 0.03
     seed: int = 42
     lora: Lora | None = None
-    dpo: Dpo | None = None  # None: supervised
-    packing: bool = False  # short causal-LM rows packed into full sequences (data.Packed)
+    method: Method = Supervised()
     checkpoint_every_steps: Annotated[int, Field(ge=1)] | None = None
     min_checkpoint_seconds: Annotated[float, Field(ge=0)] = 0.0  # the service's floor (callbacks.py)
     resume_from: str | None = None
     distributed_timeout_seconds: int = 120
     distributed: Distributed = Distributed()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _version_1(cls, data: Any) -> Any:
+        return method_from_v1(data)
+
     @model_validator(mode="after")
-    def _labels_for_classification(self) -> TrainingSpec:
-        if self.task.endswith("-classification") and len(self.labels) < 2:
+    def _fits_task_and_method(self) -> TrainingSpec:
+        if self.task_info.classifies and len(self.labels) < 2:
             raise ValueError(f"{self.task} needs at least two distinct labels in the training file")
-        if self.dpo is not None and self.task != "causal-lm":
-            raise ValueError("dpo trains a causal-lm")
-        if self.packing and (self.task != "causal-lm" or self.dpo is not None):
-            raise ValueError("packing is for supervised causal-lm jobs")
+        if self.task not in self.method_info.tasks:
+            raise ValueError(f"method {self.method.type} trains {', '.join(self.method_info.tasks)}")
+        if isinstance(self.method, Supervised) and self.method.packing and not self.task_info.token_loss:
+            raise ValueError(f"packing joins rows into full sequences; a {self.task} job has nothing to pack")
         return self
+
+    @property
+    def task_info(self) -> tasks.TaskInfo:
+        return tasks.get(self.task)
+
+    @property
+    def method_info(self) -> methods.MethodInfo:
+        return methods.get(self.method.type)
+
+    @property
+    def packing(self) -> bool:
+        return isinstance(self.method, Supervised) and self.method.packing
 
     @classmethod
     def load(cls, path: Path) -> TrainingSpec:

@@ -175,6 +175,15 @@ def evaluate_wer(model: Any, processor: SpeechProcessor, store: Any, collator: A
     return word_error_rate(references, [processor.text(ids) for ids in found])
 
 
+def trainer_setup(tokenizer: Any, valid: Any, collator: Any) -> tuple[Any, dict[str, Any]]:
+    """The speech task's Trainer and its extra arguments (TaskInfo.trainer): evaluations transcribe the
+    held-out clips for the word error rate."""
+    extra = (
+        {"wer": lambda model: evaluate_wer(model, tokenizer, valid, collator)} if valid is not None else {}
+    )
+    return trainer_class(), extra
+
+
 def trainer_class() -> Any:
     """ORTTrainer whose evaluations also transcribe held-out clips: `eval_wer` beside `eval_loss`."""
     from trainer_core.ort_trainer import ORTTrainer

@@ -83,9 +83,9 @@ def common_arguments(
         ddp_backend=None if world == 1 else ("nccl" if cuda else "gloo"),
         # The Trainer scales each rank's loss by the world size, assuming the model divides a summed loss
         # by the tokens of the whole global batch. The causal-LM losses do; a classifier's loss is already a
-        # mean, and scaling it doubled the loss and the gradients on 2 processes (tests/test_distributed.py).
-        # So is DPO's (a mean over the pairs).
-        average_tokens_across_devices=spec.task == "causal-lm" and spec.dpo is None,
+        # mean, and scaling it would double the loss and the gradients on 2 processes. So is a method's own
+        # loss (DPO's: a mean over the pairs).
+        average_tokens_across_devices=spec.task_info.token_loss and not spec.method_info.own_loss,
         ddp_timeout=spec.distributed_timeout_seconds,
         deepspeed=zero1_config(spec) if spec.distributed.strategy == "zero1" and world > 1 else None,
     )
@@ -106,11 +106,10 @@ def zero1_config(spec: TrainingSpec) -> dict[str, Any]:
     }
 
 
-def build(
+def supervised_trainer(
     spec: TrainingSpec,
     choice: BackendChoice,
-    model: Any,
-    tokenizer: Any,
+    loaded: Any,
     train: TokenStore,
     valid: TokenStore | None,
     events: EventStream,
@@ -119,8 +118,8 @@ def build(
     ort_module: Any = None,
     stop: StopOnRequest | None = None,
 ) -> Any:
-    if spec.dpo is not None:
-        return _dpo_trainer(spec, choice, model, tokenizer, train, valid, events, cuda=cuda, stop=stop)
+    """The supervised method's Trainer (MethodInfo.trainer): an ORTTrainer, or the task's own subclass."""
+    model, tokenizer = loaded.model, loaded.tokenizer
     args = training_arguments(spec, choice, cuda=cuda, has_eval=valid is not None)
     hp = spec.hyperparameters
     collator = collator_for(spec, tokenizer, train)
@@ -131,12 +130,8 @@ def build(
     sampler = BucketSampler(train_set.lengths, hp.batch_size, spec.seed)
     extra: dict[str, Any] = {}
     cls: Any = ORTTrainer
-    if spec.task == mediastore.ASR:  # evaluations transcribe held-out clips for the word error rate
-        from trainer_core import speech
-
-        cls = speech.trainer_class()
-        if valid is not None:
-            extra["wer"] = lambda model: speech.evaluate_wer(model, tokenizer, valid, collator)
+    if spec.task_info.trainer is not None:
+        cls, extra = spec.task_info.load("trainer")(tokenizer, valid, collator)
     return cls(
         ort_module=ort_module,
         train_sampler=sampler,
@@ -147,7 +142,7 @@ def build(
         data_collator=collator,
         # saved into every checkpoint: a checkpoint is then a model a later job can start from
         processing_class=tokenizer,
-        compute_metrics=accuracy if spec.task.endswith("-classification") else None,
+        compute_metrics=accuracy if spec.task_info.classifies else None,
         callbacks=_callbacks(spec, events, collator, stop),
         **extra,
     )
@@ -155,9 +150,9 @@ def build(
 
 def collator_for(spec: TrainingSpec, tokenizer: Any, store: Any) -> Any:
     """What makes the model's batches: padding token ids, or the processor's last steps over media."""
-    if mediastore.is_media(spec.task):
+    if spec.task_info.media is not None:
         return mediastore.MediaCollator(tokenizer, store.media)
-    return Collator(tokenizer.pad_token_id, spec.task)
+    return Collator(tokenizer.pad_token_id, classifies=spec.task_info.classifies)
 
 
 def _callbacks(
@@ -190,30 +185,33 @@ def _packed(
         sequences=len(packed),
         fill=round(fill, 4),
     )
-    return packed, PackedCollator(tokenizer.pad_token_id, spec.task)
+    return packed, PackedCollator(tokenizer.pad_token_id)
 
 
-def _dpo_trainer(
+def dpo_trainer(
     spec: TrainingSpec,
     choice: BackendChoice,
-    model: Any,
-    tokenizer: Any,
+    loaded: Any,
     train: TokenStore,
     valid: TokenStore | None,
     events: EventStream,
     *,
     cuda: bool,
-    stop: StopOnRequest | None,
+    ort_module: Any = None,
+    stop: StopOnRequest | None = None,
 ) -> Any:
-    """TRL's DPOTrainer over the preference stores (trainer_core/dpo.py)."""
+    """The dpo method's Trainer (MethodInfo.trainer): TRL's DPOTrainer over the preference stores
+    (trainer_core/dpo.py). ORTModule never runs it (MethodInfo.ort_problem), so `ort_module` is unused."""
     from trl import DPOConfig
 
     from trainer_core import dpo
+    from trainer_core.spec import Dpo
 
-    assert spec.dpo is not None
+    assert isinstance(spec.method, Dpo)
+    model, tokenizer = loaded.model, loaded.tokenizer
     hp = spec.hyperparameters
     args = DPOConfig(
-        beta=spec.dpo.beta,
+        beta=spec.method.beta,
         max_length=None,  # the store is cut at max_seq_length already, pairs whose answers were cut left out
         precompute_ref_log_probs=False,
         **common_arguments(spec, choice, cuda=cuda, has_eval=valid is not None),

@@ -113,7 +113,7 @@ def _params(job: Job) -> dict[str, Any]:
     params = {
         "model": job.model,
         "task": job.task,
-        "method": "dpo" if spec.dpo else "supervised",
+        "method": spec.method.type,
         "backend": spec.backend,
         "precision": spec.precision,
         "seed": job.seed,
@@ -122,8 +122,8 @@ def _params(job: Job) -> dict[str, Any]:
     } | {k: v for k, v in hp.items() if v is not None}
     if spec.lora is not None:
         params |= {f"lora_{k}": v for k, v in spec.lora.model_dump(mode="json").items()}
-    if spec.dpo is not None:
-        params |= {f"dpo_{k}": v for k, v in spec.dpo.model_dump(mode="json").items()}
+    options = spec.method.model_dump(mode="json", exclude={"type"})
+    params |= {f"{spec.method.type}_{k}": v for k, v in options.items()}  # dpo_beta, supervised_packing
     return {k: v for k, v in params.items() if v is not None}
 
 

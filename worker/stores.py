@@ -48,6 +48,7 @@ def stores_of(
         "model": job.model,
         "tokenizer": datastore.tokenizer_fingerprint(model.path),
         "task": spec.task,
+        "method": spec.method.type,
         "max_seq_length": spec.resolved_hyperparameters.max_seq_length,
         "labels": spec.labels,
     }

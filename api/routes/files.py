@@ -19,7 +19,7 @@ from ortune.db.models import File
 from ortune.db.repositories import FileRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
-from trainer_core import rows
+from trainer_core import tasks
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=ERRORS)
 ENDPOINT = "POST /v1/files"
@@ -35,7 +35,7 @@ UPLOAD_BODY = {
                     "properties": {
                         "file": {"type": "string", "format": "binary"},
                         "purpose": {"type": "string", "enum": list(files.PURPOSES)},
-                        "task": {"type": "string", "enum": list(rows.TASK_KINDS)},
+                        "task": {"type": "string", "enum": list(tasks.NAMES)},
                     },
                 }
             }

@@ -20,6 +20,7 @@ from api.errors import ERRORS, APIError, NotFound, Unavailable
 from ortune.db.models import JobStatus
 from ortune.db.repositories import ArtifactRepository, JobRepository
 from ortune.inference import ChatCompletionRequest, CompletionRequest, PredictRequest, StoredModel
+from trainer_core import tasks
 
 router = APIRouter(prefix="/v1", tags=["inference"], responses=ERRORS)
 
@@ -67,18 +68,21 @@ async def forward(request: Request, path: str, body: dict[str, Any], stream: boo
     return Response(content, status_code=upstream.status_code, media_type="application/json")
 
 
-async def _checked(read: ReadDep, caller: Caller, name: str, task: str) -> StoredModel:
+ENDPOINTS = {"chat": "/v1/chat/completions", "predict": "/v1/predict"}  # by TaskInfo.serving
+
+
+async def _checked(read: ReadDep, caller: Caller, name: str, serving: tasks.Serving) -> StoredModel:
     model = await read(lambda session: stored_model(session, caller, name))
-    if model.task != task:
-        if model.task not in ("sequence-classification", "causal-lm"):  # images, audio, speech
-            raise APIError(
-                f"{name} is a {model.task} model, which this server does not serve yet: download its ONNX "
-                "artifact (GET /v1/fine_tuning/jobs/{id}/artifacts/onnx) and run it with onnxruntime",
-                param="model",
-                code="model_not_served",
-            )
-        use = "/v1/predict" if model.task == "sequence-classification" else "/v1/chat/completions"
-        raise APIError(f"{name} is a {model.task} model: use {use}", param="model")
+    served_as = tasks.get(model.task).serving
+    if served_as is None:
+        raise APIError(
+            f"{name} is a {model.task} model, which this server does not serve yet: download its ONNX "
+            "artifact (GET /v1/fine_tuning/jobs/{id}/artifacts/onnx) and run it with onnxruntime",
+            param="model",
+            code="model_not_served",
+        )
+    if served_as != serving:
+        raise APIError(f"{name} is a {model.task} model: use {ENDPOINTS[served_as]}", param="model")
     return model
 
 
@@ -87,7 +91,7 @@ async def chat_completions(
     req: ChatCompletionRequest, request: Request, read: ReadDep, caller: CallerDep
 ) -> Response:
     """Chat with a fine-tuned causal LM (OpenAI's shape; `stream: true` for server-sent events)."""
-    model = await _checked(read, caller, req.model, "causal-lm")
+    model = await _checked(read, caller, req.model, "chat")
     body = req.model_dump(exclude_none=True) | {"ortune_model": model.model_dump()}
     return await forward(request, "/v1/chat/completions", body, req.stream)
 
@@ -95,7 +99,7 @@ async def chat_completions(
 @router.post("/completions")
 async def completions(req: CompletionRequest, request: Request, read: ReadDep, caller: CallerDep) -> Response:
     """Continue a prompt with a fine-tuned causal LM (OpenAI's legacy completions shape)."""
-    model = await _checked(read, caller, req.model, "causal-lm")
+    model = await _checked(read, caller, req.model, "chat")
     body = req.model_dump(exclude_none=True) | {"ortune_model": model.model_dump()}
     return await forward(request, "/v1/completions", body, req.stream)
 
@@ -104,6 +108,6 @@ async def completions(req: CompletionRequest, request: Request, read: ReadDep, c
 async def predict(req: PredictRequest, request: Request, read: ReadDep, caller: CallerDep) -> Response:
     """Label scores from a fine-tuned classifier: `{"model", "inputs": text or [texts]}` in, `{"data":
     [[{label, score}, ...], ...]}` out, a list per text, best first (text-embeddings-inference's shape)."""
-    model = await _checked(read, caller, req.model, "sequence-classification")
+    model = await _checked(read, caller, req.model, "predict")
     body = req.model_dump(exclude_none=True) | {"ortune_model": model.model_dump()}
     return await forward(request, "/v1/predict", body, False)

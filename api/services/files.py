@@ -15,7 +15,7 @@ from ortune.db.models import File, FileStatus
 from ortune.db.repositories import FileRepository
 from ortune.settings import Settings
 from ortune.storage import ObjectStore
-from trainer_core import media, rows
+from trainer_core import media, rows, tasks
 
 PURPOSES = ("fine-tune",)
 
@@ -41,8 +41,8 @@ def _validate_form(upload: Upload) -> tuple[str, str, str | None]:
             code="invalid_file_format",
         )
     task = upload.fields.get("task") or None
-    if task is not None and task not in rows.TASK_KINDS:
-        raise APIError(f"task must be one of {', '.join(rows.TASK_KINDS)}", param="task", code="invalid_task")
+    if task is not None and task not in tasks.NAMES:
+        raise APIError(f"task must be one of {', '.join(tasks.NAMES)}", param="task", code="invalid_task")
     return purpose, fmt, task
 
 

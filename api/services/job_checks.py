@@ -12,7 +12,8 @@ from api.errors import APIError, NotFound
 from api.schemas import JobCreate
 from ortune.db.models import File, FileStatus, Job
 from ortune.db.repositories import FileRepository
-from trainer_core import rows
+from trainer_core import methods, rows, tasks
+from trainer_core.spec import Method
 
 
 def file(session: Session, caller: Caller, file_id: str, param: str, task: str | None) -> File:
@@ -23,9 +24,10 @@ def file(session: Session, caller: Caller, file_id: str, param: str, task: str |
         raise APIError(
             f"file {file_id} failed its checks: {found.status_details}", param=param, code="invalid_file"
         )
-    if task is not None and found.row_kind not in rows.TASK_KINDS[task]:
+    wanted = tasks.get(task).row_kinds if task is not None else ()
+    if task is not None and found.row_kind not in wanted:
         raise APIError(
-            f"task {task} needs rows with {rows.required_columns(task)}; file {file_id} holds "
+            f"task {task} needs rows with {rows.required_columns(wanted)}; file {file_id} holds "
             f"{found.row_kind} rows",
             param=param,
             code="invalid_file",
@@ -33,27 +35,31 @@ def file(session: Session, caller: Caller, file_id: str, param: str, task: str |
     return found
 
 
-def method(req: JobCreate, train: File) -> None:
-    """The method and the training file's rows belong together: DPO learns from preference pairs only."""
-    name = req.method.type if req.method else "supervised"
-    if train.row_kind in rows.METHOD_KINDS[name]:
+def method(chosen: Method, train: File, task: str) -> None:
+    """The method, its task and the training file's rows belong together (DPO learns from preference pairs
+    of a causal LM only)."""
+    info = methods.get(chosen.type)
+    if task not in info.tasks:
+        raise APIError(
+            f"method {info.name} trains {', '.join(info.tasks)}, not {task}",
+            param="method",
+            code="invalid_file",
+        )
+    if train.row_kind in info.row_kinds:
         return
-    if name == "dpo":
-        message = (
-            f"method dpo trains on preference rows {rows.required_columns('dpo', by='method')}; "
-            f"file {train.id} holds {train.row_kind} rows"
-        )
-    else:
-        message = (
-            f"file {train.id} holds preference rows, which train with method dpo "
-            '({"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1}}})'
-        )
+    named = f"{' or '.join(info.row_kinds)} " if len(info.row_kinds) == 1 else ""
+    message = (
+        f"method {info.name} trains on {named}rows {rows.required_columns(info.row_kinds)}; file {train.id} "
+        f"holds {train.row_kind} rows"
+    )
+    if (other := methods.for_rows(train.row_kind)) is not None:
+        message += f", which train with method {other.name} ({other.hint})"
     raise APIError(message, param="training_file", code="invalid_file")
 
 
 def lora(req: JobCreate, task: str) -> None:
     """LoRA adapts text models here; an image, audio or speech model trains whole."""
-    if req.lora() is not None and task not in ("sequence-classification", "causal-lm"):
+    if req.lora() is not None and not tasks.get(task).lora:
         raise APIError(
             f"lora is for text models; a {task} job fine-tunes the whole model (leave lora out)",
             param="method.supervised.lora",
@@ -64,7 +70,7 @@ def labels(train: File, valid: File | None, source: Job | None, task: str, model
     """A classifier's labels (the training file's): at least two, the validation file's among them, and
     those of the model it continues from."""
     found: list[Any] = list(train.labels or [])
-    if task not in rows.CLASSIFICATION_TASKS:
+    if not tasks.get(task).classifies:
         return found
     if len(found) < 2:
         raise APIError(

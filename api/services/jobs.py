@@ -29,8 +29,8 @@ from ortune.jobspec import BaseModelRef, JobSpec
 from ortune.queue import enqueue_for, on_commit
 from ortune.search_space import HyperparameterSearch
 from ortune.settings import Settings
-from trainer_core import registry, rows
-from trainer_core.spec import Distributed
+from trainer_core import methods, registry, tasks
+from trainer_core.spec import Distributed, Supervised
 
 
 def create(
@@ -45,7 +45,7 @@ def create(
         except registry.UnknownModel as exc:
             raise NotFound(str(exc), param="model", code="model_not_found") from exc
     train = checks.file(session, caller, req.training_file, "training_file", req.task)
-    task = req.task or rows.task_of(train.row_kind)
+    task = req.task or tasks.for_rows(train.row_kind).name
     if task not in model.tasks:
         raise APIError(
             f"model {model.id} cannot be fine-tuned for {task} (it supports {', '.join(model.tasks)})",
@@ -63,7 +63,8 @@ def create(
             param="validation_file",
             code="invalid_file",
         )
-    checks.method(req, train)
+    method = req.trained_method()
+    checks.method(method, train, task)
     checks.lora(req, task)
     labels = checks.labels(train, valid, source, task, req.model)
     hp = req.effective_hyperparameters()
@@ -73,21 +74,20 @@ def create(
             param="hyperparameters.max_steps",
             code="limit_exceeded",
         )
-    if req.packing() and task != "causal-lm":
+    packing = isinstance(method, Supervised) and method.packing
+    if packing and not tasks.get(task).token_loss:
         raise APIError(
             f"packing joins causal-LM rows into full sequences; a {task} job has nothing to pack",
             param="method.supervised.packing",
         )
-    if req.packing() and req.backend == "ort":
+    if packing and req.backend == "ort":
         raise APIError(
             "backend ort does not train packed sequences yet; use backend auto or torch",
             param="backend",
         )
-    if req.dpo() is not None and req.backend == "ort":
+    if (why := methods.get(method.type).ort_problem) is not None and req.backend == "ort":
         raise APIError(
-            "backend ort does not train DPO (TRL's DPOTrainer runs a reference model beside the policy, "
-            "under PyTorch); use backend auto or torch",
-            param="backend",
+            f"backend ort cannot train this job: {why}; use backend auto or torch", param="backend"
         )
     for i, integration in enumerate(req.integrations):
         if integration.type == "wandb":
@@ -112,8 +112,7 @@ def create(
         distributed=dist,
         hyperparameter_search=req.hyperparameter_search,
         lora=req.lora(),
-        dpo=req.dpo(),
-        packing=req.packing(),
+        method=method,
         base=base,
         integrations=[a for i in req.integrations if (a := i.accepted()) is not None],
     )

@@ -30,8 +30,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2)).eval()
     manifest = {"task": "causal-lm"}
-    export.export_onnx(model, tokenizer, root / "plain", TEXTS, manifest, max_len=64)
-    export_decoder.export_onnx(model, tokenizer, root / "cached", TEXTS, manifest, max_len=64)
+    export.export_texts(model, tokenizer, root / "plain", TEXTS, manifest, max_len=64)
+    export_decoder.export_texts(model, tokenizer, root / "cached", TEXTS, manifest, max_len=64)
     return root / "plain", root / "cached"
 
 

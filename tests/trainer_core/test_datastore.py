@@ -82,12 +82,21 @@ def test_store_keys_change_with_what_changes_the_ids() -> None:
         "model": "m",
         "tokenizer": "t",
         "task": "causal-lm",
+        "method": "supervised",
         "max_seq_length": 64,
         "labels": [],
     }
     key = datastore.store_key("sha", **base)
     assert key == datastore.store_key("sha", **base)
-    for change in ({"model": "n"}, {"tokenizer": "u"}, {"max_seq_length": 65}, {"labels": ["a"]}):
+    # the method lays a file out (DPO: two rows a pair), so another method never shares a method's store
+    changes = (
+        {"model": "n"},
+        {"tokenizer": "u"},
+        {"max_seq_length": 65},
+        {"labels": ["a"]},
+        {"method": "dpo"},
+    )
+    for change in changes:
         assert datastore.store_key("sha", **(base | change)) != key
     assert datastore.store_key("other", **base) != key
     assert datastore.store_key("sha", **base, tokenized_with="k") != key

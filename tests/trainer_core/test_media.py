@@ -291,7 +291,7 @@ def test_an_onnx_transcript_that_differs_fails_the_export_naming_the_clip(
     fails the export with the clip and both transcripts (and an intact export passes it)."""
     from trainer_core import export_speech, mediastore, speech
     from trainer_core.datastore import Meta
-    from trainer_core.export import ExportError
+    from trainer_core.export import ExportError, HeldOut
 
     archive = media_archive("speech", tmp_path / "s.zip", 6, 1)
     spec = media_spec("speech", archive, tmp_path / "out")
@@ -303,9 +303,8 @@ def test_an_onnx_transcript_that_differs_fails_the_export_naming_the_clip(
     assert isinstance(store.meta, Meta) and store.meta.tokens > 0
     collator = mediastore.MediaCollator(processor, store.media)
     model = speech.built_model(processor).eval()
-    manifest = export_speech.export_onnx(
-        model, processor, tmp_path / "onnx", store, collator, {"task": spec.task}
-    )
+    held_out = HeldOut(store, collator)
+    manifest = export_speech.export_onnx(model, processor, tmp_path / "onnx", held_out, {"task": spec.task})
     assert manifest["greedy_parity"]["identical"] == manifest["greedy_parity"]["clips"] == 6
     assert {"encoder.onnx", "decoder.onnx", "preprocessor_config.json"} <= set(manifest["files"])
 
@@ -314,7 +313,7 @@ def test_an_onnx_transcript_that_differs_fails_the_export_naming_the_clip(
     with pytest.raises(
         ExportError, match=r"differs from PyTorch's on held-out clip 0: .* against .*ids \[7, 7, 7\]"
     ):
-        export_speech.export_onnx(model, processor, tmp_path / "onnx2", store, collator, {"task": spec.task})
+        export_speech.export_onnx(model, processor, tmp_path / "onnx2", held_out, {"task": spec.task})
 
 
 def test_auto_measures_both_engines_on_an_image_job(tmp_path: Path) -> None:

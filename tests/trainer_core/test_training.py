@@ -588,7 +588,7 @@ def test_a_causal_lm_exports_with_its_kv_cache_and_generates_pytorchs_tokens(
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
-    manifest = export_decoder.export_onnx(model, tokenizer, tmp_path / "onnx", texts, {}, max_len=64)
+    manifest = export_decoder.export_texts(model, tokenizer, tmp_path / "onnx", texts, {}, max_len=64)
     assert manifest["kv_cache"] is True and manifest["outputs"][:2] == ["logits", "present.0.key"]
     greedy = manifest["greedy_parity"]
     assert greedy["prompts"] == 4 and greedy["identical"] + greedy["ties"] == 4 and greedy["diverged"] == []
@@ -605,7 +605,7 @@ def test_a_causal_lm_exports_with_its_kv_cache_and_generates_pytorchs_tokens(
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(export_decoder, "_onnx_greedy", off_by_one)
         with pytest.raises(export.ExportError, match="greedy generation differs from PyTorch's on 4 of 4"):
-            export_decoder.export_onnx(model, tokenizer, tmp_path / "onnx2", texts, {}, max_len=64)
+            export_decoder.export_texts(model, tokenizer, tmp_path / "onnx2", texts, {}, max_len=64)
 
 
 @pytest.mark.parametrize("shape", ["llama", "qwen2", "gpt2"])
@@ -639,7 +639,7 @@ def test_packed_rows_do_not_see_each_other(tmp_path: Path, shape: str) -> None:
     packed = data.Packed(Store(), capacity=int(Store.lengths[:3].sum()))
     assert sorted(r for g in packed.groups for r in g.tolist()) == [0, 1, 2, 3]
     assert max(len(g) for g in packed.groups) >= 3 and len(packed) == 2
-    batch = data.PackedCollator(0, "causal-lm")([packed[i] for i in range(len(packed))])
+    batch = data.PackedCollator(0)([packed[i] for i in range(len(packed))])
     assert "attention_mask" not in batch
     with torch.no_grad():
         out = model(**batch, use_cache=False)  # as in training (modeling.load): a cache hides the packing
