@@ -20,7 +20,7 @@ from typing import Any
 from bench.common import write
 from tests.support import REFUSALS, launch_trainer, write_jsonl
 from trainer_core import chat, modeling, prepare
-from trainer_core.spec import Dpo, Hyperparameters, Lora, TrainingSpec
+from trainer_core.spec import Dpo, Hyperparameters, Lora, Supervised, TrainingSpec
 
 NUMBERS = range(12)
 
@@ -164,12 +164,13 @@ def main() -> None:
             backend="ort",
             precision="fp32",
         )
-        runs["sft full, packed (auto)"] = run(root, "packed", model, chats, hp=sft, packing=True)
+        packed = Supervised(packing=True)
+        runs["sft full, packed (auto)"] = run(root, "packed", model, chats, hp=sft, method=packed)
         tuned = runs["sft full (auto)"]["output"]
         dpo = {"n_epochs": 3, "learning_rate": 5e-5}
-        runs["dpo full, from sft (auto)"] = run(root, "dpo", tuned, pairs, hp=dpo, dpo=Dpo(beta=0.1))
+        runs["dpo full, from sft (auto)"] = run(root, "dpo", tuned, pairs, hp=dpo, method=Dpo(beta=0.1))
         runs["dpo lora, from sft (auto)"] = run(
-            root, "dpo-lora", tuned, pairs, hp=dpo | {"learning_rate": 2e-4}, dpo=Dpo(beta=0.1), lora=lora
+            root, "dpo-lora", tuned, pairs, hp=dpo | {"learning_rate": 2e-4}, method=Dpo(beta=0.1), lora=lora
         )
     lines = [
         f"### llm_methods (small-llama: 4 x 128, GQA 4/2, ChatML; {len(sums())} chat rows, "

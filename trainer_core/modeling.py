@@ -124,9 +124,6 @@ def load(
     """The model in train mode and its tokenizer. Never trust_remote_code; weights from safetensors only.
 
     A built model takes `tokenizer` (the one its data was tokenized with) or learns one from `texts`."""
-    import torch
-    from transformers import AutoTokenizer
-
     label_kw: dict[str, Any] = {}
     if spec.task_info.classifies:
         names = [str(label) for label in spec.labels]
@@ -135,44 +132,11 @@ def load(
             "id2label": dict(enumerate(names)),
             "label2id": {n: i for i, n in enumerate(names)},
         }
-    if info.source == "built" and info.id == "tiny-whisper":
-        from trainer_core import speech
-
-        loaded = Loaded(speech.built_model(tokenizer), tokenizer)
-        loaded.model.config._attn_implementation = attn_implementation
-    elif info.source == "built" and info.id in ("tiny-vit", "tiny-audio"):
-        loaded = Loaded(_build_media(info.id, label_kw), tokenizer)
-        loaded.model.config._attn_implementation = attn_implementation
-    elif info.source == "built":
-        loaded = _build(info, spec, tokenizer or train_tokenizer(info.id, texts), label_kw)
+    if info.source == "built":
+        loaded = _built(info, spec, tokenizer, texts, label_kw)
         loaded.model.config._attn_implementation = attn_implementation
     else:
-        assert info.path is not None
-        if not (info.path / "model.safetensors").is_file() and not any(info.path.glob("*.safetensors")):
-            raise ModelLoadError(
-                f"{info.id}: no safetensors weights in {info.path} (pickled weights are refused)"
-            )
-        auto = _auto(spec.task)
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(
-            info.path, local_files_only=True, trust_remote_code=False
-        )
-        model = auto.from_pretrained(
-            info.path,
-            local_files_only=True,
-            trust_remote_code=False,
-            use_safetensors=True,
-            attn_implementation=attn_implementation,
-            # fp32 master weights whatever the checkpoint's dtype: transformers 5 would keep a bf16
-            # checkpoint in bf16 and train it, Adam states included, in pure bf16; precision decides compute
-            dtype=torch.float32,
-            # a pretrained classifier's head (ImageNet's 1000 classes) gives way to one for these labels
-            ignore_mismatched_sizes=bool(label_kw) and spec.task_info.media is not None,
-            **label_kw,
-        )
-        if getattr(tokenizer, "pad_token", "") is None:  # a text model's tokenizer (not a processor)
-            tokenizer.pad_token = tokenizer.eos_token
-            model.config.pad_token_id = tokenizer.pad_token_id
-        loaded = Loaded(model, tokenizer)
+        loaded = _local(info, spec, tokenizer, label_kw, attn_implementation)
     # No KV cache while training: it is useless there, and ORTModule cannot flatten a DynamicCache output.
     if hasattr(loaded.model.config, "use_cache"):
         loaded.model.config.use_cache = False
@@ -181,6 +145,52 @@ def load(
     # from_pretrained returns eval mode; training (and ORTModule's training graph) needs train mode.
     loaded.model.train()
     return loaded
+
+
+def _built(
+    info: ModelInfo, spec: TrainingSpec, tokenizer: Any, texts: Iterable[str], label_kw: Any
+) -> Loaded:
+    """A tiny model built from a config: text models learn a tokenizer from `texts` unless given one; media
+    models take their processor as `tokenizer`."""
+    if info.id == "tiny-whisper":
+        from trainer_core import speech
+
+        return Loaded(speech.built_model(tokenizer), tokenizer)
+    if info.id in ("tiny-vit", "tiny-audio"):
+        return Loaded(_build_media(info.id, label_kw), tokenizer)
+    return _build(info, spec, tokenizer or train_tokenizer(info.id, texts), label_kw)
+
+
+def _local(info: ModelInfo, spec: TrainingSpec, tokenizer: Any, label_kw: Any, attention: str) -> Loaded:
+    """A local directory through transformers' own loading, safetensors only, in fp32."""
+    import torch
+    from transformers import AutoTokenizer
+
+    assert info.path is not None
+    if not (info.path / "model.safetensors").is_file() and not any(info.path.glob("*.safetensors")):
+        raise ModelLoadError(
+            f"{info.id}: no safetensors weights in {info.path} (pickled weights are refused)"
+        )
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(
+        info.path, local_files_only=True, trust_remote_code=False
+    )
+    model = _auto(spec.task).from_pretrained(
+        info.path,
+        local_files_only=True,
+        trust_remote_code=False,
+        use_safetensors=True,
+        attn_implementation=attention,
+        # fp32 master weights whatever the checkpoint's dtype: transformers 5 would keep a bf16
+        # checkpoint in bf16 and train it, Adam states included, in pure bf16; precision decides compute
+        dtype=torch.float32,
+        # a pretrained classifier's head (ImageNet's 1000 classes) gives way to one for these labels
+        ignore_mismatched_sizes=bool(label_kw) and spec.task_info.media is not None,
+        **label_kw,
+    )
+    if getattr(tokenizer, "pad_token", "") is None:  # a text model's tokenizer (not a processor)
+        tokenizer.pad_token = tokenizer.eos_token
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return Loaded(model, tokenizer)
 
 
 def from_directory(directory: Any, task: str) -> Any:

@@ -153,24 +153,8 @@ def _build(
             ids, targets, loss = _encode(batch, tokenizer, spec)
             texts = [_text(r) for r in batch[:8]]
             if loss is not None:  # a row whose every loss token was cut would train on nothing (a 0/0 loss)
-                # a preference pair's two rows are kept or left out together
-                keep = [
-                    n + k
-                    for n in range(0, len(targets), unit)
-                    if all(targets[n : n + unit])
-                    for k in range(unit)
-                ]
-                writer.dropped += (len(targets) - len(keep)) // unit
-                cut = [
-                    numbered[n // unit][0]
-                    for n in range(0, len(targets), unit)
-                    if not all(targets[n : n + unit])
-                ]
-                writer.dropped_lines += cut[: DROPPED_LINES - len(writer.dropped_lines)]
-                ids, targets, loss = (
-                    [ids[n] for n in keep],
-                    [targets[n] for n in keep],
-                    [loss[n] for n in keep],
+                ids, targets, loss = _without_emptied(
+                    writer, [n for n, _ in numbered], ids, targets, loss, unit
                 )
             writer.add(ids, targets, texts, loss)
             if (now := time.monotonic()) - last >= PROGRESS_EVERY_S:
@@ -195,6 +179,23 @@ def _build(
             dropped=meta.dropped,
             lines=meta.dropped_lines,
         )
+
+
+def _without_emptied(
+    writer: StoreWriter,
+    lines: list[int],
+    ids: list[list[int]],
+    targets: list[int],
+    loss: list[list[int]],
+    unit: int,
+) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """A batch without the rows that truncation left no loss token; `unit` store rows make one example
+    (a preference pair's two), kept or left out together. The writer counts them and keeps their lines."""
+    keep = [n + k for n in range(0, len(targets), unit) if all(targets[n : n + unit]) for k in range(unit)]
+    writer.dropped += (len(targets) - len(keep)) // unit
+    cut = [lines[n // unit] for n in range(0, len(targets), unit) if not all(targets[n : n + unit])]
+    writer.dropped_lines += cut[: DROPPED_LINES - len(writer.dropped_lines)]
+    return [ids[n] for n in keep], [targets[n] for n in keep], [loss[n] for n in keep]
 
 
 def _build_media(

@@ -13,7 +13,7 @@ from api.schemas import JobCreate
 from ortune.db.models import File, FileStatus, Job
 from ortune.db.repositories import FileRepository
 from trainer_core import methods, rows, tasks
-from trainer_core.spec import Method
+from trainer_core.spec import Method, Supervised
 
 
 def file(session: Session, caller: Caller, file_id: str, param: str, task: str | None) -> File:
@@ -35,10 +35,24 @@ def file(session: Session, caller: Caller, file_id: str, param: str, task: str |
     return found
 
 
-def method(chosen: Method, train: File, task: str) -> None:
+def method(chosen: Method, train: File, task: str, backend: str) -> None:
     """The method, its task and the training file's rows belong together (DPO learns from preference pairs
-    of a causal LM only)."""
+    of a causal LM only), and its options with them; backend ort only where ORT can train it."""
     info = methods.get(chosen.type)
+    packing = isinstance(chosen, Supervised) and chosen.packing
+    if packing and not tasks.get(task).token_loss:
+        raise APIError(
+            f"packing joins causal-LM rows into full sequences; a {task} job has nothing to pack",
+            param="method.supervised.packing",
+        )
+    if packing and backend == "ort":
+        raise APIError(
+            "backend ort does not train packed sequences yet; use backend auto or torch", param="backend"
+        )
+    if info.ort_problem is not None and backend == "ort":
+        raise APIError(
+            f"backend ort cannot train this job: {info.ort_problem}; use auto or torch", param="backend"
+        )
     if task not in info.tasks:
         raise APIError(
             f"method {info.name} trains {', '.join(info.tasks)}, not {task}",

@@ -29,21 +29,14 @@ from ortune.jobspec import BaseModelRef, JobSpec
 from ortune.queue import enqueue_for, on_commit
 from ortune.search_space import HyperparameterSearch
 from ortune.settings import Settings
-from trainer_core import methods, registry, tasks
-from trainer_core.spec import Distributed, Supervised
+from trainer_core import registry, tasks
+from trainer_core.spec import Distributed
 
 
 def create(
     session: Session, settings: Settings, caller: Caller, req: JobCreate, job_id: str | None = None
 ) -> Job:
-    source: Job | None = None
-    if req.model.startswith("ft:"):
-        model, source, base = _fine_tuned_base(session, caller, req.model)
-    else:
-        try:
-            model, base = registry.resolve(req.model, settings.models_dir), None
-        except registry.UnknownModel as exc:
-            raise NotFound(str(exc), param="model", code="model_not_found") from exc
+    model, source, base = _base_model(session, settings, caller, req.model)
     train = checks.file(session, caller, req.training_file, "training_file", req.task)
     task = req.task or tasks.for_rows(train.row_kind).name
     if task not in model.tasks:
@@ -64,7 +57,7 @@ def create(
             code="invalid_file",
         )
     method = req.trained_method()
-    checks.method(method, train, task)
+    checks.method(method, train, task, req.backend)
     checks.lora(req, task)
     labels = checks.labels(train, valid, source, task, req.model)
     hp = req.effective_hyperparameters()
@@ -73,21 +66,6 @@ def create(
             f"max_steps {hp.max_steps} is over this deployment's limit of {settings.max_steps}",
             param="hyperparameters.max_steps",
             code="limit_exceeded",
-        )
-    packing = isinstance(method, Supervised) and method.packing
-    if packing and not tasks.get(task).token_loss:
-        raise APIError(
-            f"packing joins causal-LM rows into full sequences; a {task} job has nothing to pack",
-            param="method.supervised.packing",
-        )
-    if packing and req.backend == "ort":
-        raise APIError(
-            "backend ort does not train packed sequences yet; use backend auto or torch",
-            param="backend",
-        )
-    if (why := methods.get(method.type).ort_problem) is not None and req.backend == "ort":
-        raise APIError(
-            f"backend ort cannot train this job: {why}; use backend auto or torch", param="backend"
         )
     for i, integration in enumerate(req.integrations):
         if integration.type == "wandb":
@@ -151,6 +129,19 @@ def create(
 
 
 CHECKPOINT_NAME = re.compile(r"^ft:.*:(?P<job>[^:]+):ckpt-step-(?P<step>\d+)$")
+
+
+def _base_model(
+    session: Session, settings: Settings, caller: Caller, name: str
+) -> tuple[registry.ModelInfo, Job | None, BaseModelRef | None]:
+    """The model a job starts from: one of the registry's, or (`ft:...`) an earlier job's, with that job
+    and the stored artifact it continues from."""
+    if name.startswith("ft:"):
+        return _fine_tuned_base(session, caller, name)
+    try:
+        return registry.resolve(name, settings.models_dir), None, None
+    except registry.UnknownModel as exc:
+        raise NotFound(str(exc), param="model", code="model_not_found") from exc
 
 
 def _fine_tuned_base(

@@ -232,7 +232,7 @@ def media_losses(kind: str, backend: str, tmp: Path) -> tuple[list[float], Any]:
     if hasattr(loaded.model.config, "layerdrop"):  # wav2vec2 skips whole layers at random while training
         loaded.model.config.layerdrop = 0.0
     with (tmp / f"{backend}.events").open("w") as out:
-        hf = trainer.build(spec, choice, loaded.model, processor, train, None, EventStream(out), cuda=False)
+        hf = trainer.supervised_trainer(spec, choice, loaded, train, None, EventStream(out), cuda=False)
         hf.train()
     return [h["loss"] for h in hf.state.log_history if "loss" in h], hf
 

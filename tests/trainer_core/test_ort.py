@@ -78,16 +78,7 @@ def losses_with(backend: str, tmp: Path, lora: bool = False) -> tuple[list[float
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     with (tmp / f"{backend}.events").open("w") as out:
-        hf = trainer.build(
-            spec,
-            choice,
-            loaded.model,
-            loaded.tokenizer,
-            train,
-            None,
-            EventStream(out),
-            cuda=False,
-        )
+        hf = trainer.supervised_trainer(spec, choice, loaded, train, None, EventStream(out), cuda=False)
         hf.train()
     return [h["loss"] for h in hf.state.log_history if "loss" in h], hf
 

@@ -10,7 +10,7 @@ from typing import Any, get_args
 
 import pytest
 
-from api import schemas
+from api import method_schemas
 from ortune.jobspec import JobSpec
 from serve import models as served
 from tests.support import ROOT
@@ -20,15 +20,19 @@ PRODUCT = ("api", "ortune", "serve", "trainer_core", "worker")
 REGISTRIES = {"trainer_core/tasks.py", "trainer_core/methods.py"}
 # Where a name may still be written: the Literal types that mirror the tables (held to them below) and the
 # loader of version-1 specs, which had `dpo` and `packing` fields before methods were a union.
-MIRRORS = {"trainer_core/spec.py": {"method_from_v1"}, "api/schemas.py": set()}
+MIRRORS = {
+    "trainer_core/spec.py": {"method_from_v1"},
+    "api/schemas.py": set(),
+    "api/method_schemas.py": set(),
+}
 
 
 def test_the_types_mirror_the_tables() -> None:
     assert get_args(spec.Task) == tasks.NAMES
     union = get_args(get_args(spec.Method)[0])
     assert tuple(get_args(m.model_fields["type"].annotation)[0] for m in union) == methods.NAMES
-    assert get_args(schemas.Method.model_fields["type"].annotation) == methods.NAMES
-    assert set(schemas.Method.model_fields) == {"type", *methods.NAMES}
+    assert get_args(method_schemas.Method.model_fields["type"].annotation) == methods.NAMES
+    assert set(method_schemas.Method.model_fields) == {"type", *methods.NAMES}
     assert {k for info in tasks.TASKS.values() for k in info.row_kinds} <= {*rows.KINDS, *rows.MEDIA_KINDS}
     for info in methods.METHODS.values():
         assert set(info.tasks) <= set(tasks.NAMES), info

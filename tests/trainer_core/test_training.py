@@ -539,7 +539,7 @@ def test_dpo_raises_the_preference_accuracy_on_held_out_pairs(tmp_path: Path, ad
         hyperparameters=Hyperparameters(
             n_epochs=3, batch_size=8, learning_rate=5e-2 if adapter else 1e-2, max_seq_length=64
         ).resolved(48, "causal-lm"),
-        dpo=Dpo(beta=0.1),
+        method=Dpo(beta=0.1),
         lora=Lora(r=8, alpha=16, dropout=0.0) if adapter else None,
     )
     code, events, stderr = launch_trainer(spec, tmp_path / "spec.json")
