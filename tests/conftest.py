@@ -15,11 +15,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from ortune.cli import embedded
 from ortune.cli.client import Client
 from ortune.db.migrate import upgrade
 from ortune.settings import Settings
 from tests import services
+from tests.deployments import Deployment, Deployments
 from tests.support import DEMO, TEST_DEFAULTS, embedded_settings, upload
 
 pytest_plugins = ["tests.timing"]  # per-file and per-fixture times at the end of every run
@@ -59,21 +59,34 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[services.S3Server]:
 
 
 @pytest.fixture(params=["embedded", "production"])
-def settings(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Settings]:
-    """Settings for one configuration, with a fresh, migrated database."""
-    if request.param == "embedded":
-        s = embedded_settings(tmp_path)
+def config(request: pytest.FixtureRequest) -> str:
+    """The configuration a test runs on: `embedded` or `production`. Both unless the test says (with
+    `@pytest.mark.parametrize("config", [...], indirect=True)`) where only one differs for it."""
+    return str(request.param)
+
+
+def _settings(request: pytest.FixtureRequest, config: str, tmp: Path) -> Settings:
+    """Settings for one configuration, on a fresh, migrated database (dropped with the fixture's scope)."""
+    if config == "embedded":
+        s = embedded_settings(tmp)
         upgrade(s.database_url)
-        yield s
-        return
+        return s
     server = request.getfixturevalue("pg_server")
     template = request.getfixturevalue("pg_template")
     redis_url = request.getfixturevalue("redis_url")
     s3 = request.getfixturevalue("s3")
     name = f"ortune_t_{uuid.uuid4().hex[:10]}"
     url = services.create_database(server, name, template=template)
-    yield Settings(
-        data_dir=tmp_path / "state",
+
+    def drop() -> None:
+        from ortune.db.session import make_engine
+
+        make_engine(url).dispose()
+        services.drop_database(server, name)
+
+    request.addfinalizer(drop)
+    return Settings(
+        data_dir=tmp / "state",
         database_url=url,
         broker_url=redis_url,
         storage_url=s3.url(f"ortune-{uuid.uuid4().hex[:8]}"),
@@ -84,10 +97,28 @@ def settings(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Setting
         queue=f"ortune.test.{uuid.uuid4().hex[:8]}",
         **TEST_DEFAULTS,
     )
-    from ortune.db.session import make_engine
 
-    make_engine(url).dispose()
-    services.drop_database(server, name)
+
+@pytest.fixture
+def settings(request: pytest.FixtureRequest, config: str, tmp_path: Path) -> Settings:
+    """Settings for the test's configuration, with a fresh, migrated database of its own."""
+    return _settings(request, config, tmp_path)
+
+
+@pytest.fixture(scope="session")
+def deployments(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployments]:
+    root = tmp_path_factory.mktemp("deployments")
+    running = Deployments(lambda config: _settings(request, config, root / config), root)
+    yield running
+    running.close()
+
+
+@pytest.fixture
+def deployment(config: str, deployments: Deployments) -> Deployment:
+    """The running deployment of the test's configuration that e2e tests share (tests/deployments.py)."""
+    return deployments.get(config)
 
 
 @pytest.fixture
@@ -104,9 +135,10 @@ def train_file(client: TestClient) -> dict[str, Any]:
 
 
 @pytest.fixture
-def service(settings: Settings, tmp_path: Path) -> Iterator[Client]:
-    logs = tmp_path / "logs"
-    with embedded.start(settings, log_dir=logs):
-        yield Client(settings.api_url)
-    for log in sorted(logs.glob("*.log")):
-        print(f"--- {log.name} (tail)\n" + "".join(log.read_text(errors="replace").splitlines(True)[-40:]))
+def service(deployment: Deployment, request: pytest.FixtureRequest) -> Iterator[Client]:
+    """A client of the shared deployment, as a tenant of the test's own."""
+    offsets = deployment.log_offsets()
+    client = deployment.tenant_client(request.node.name)
+    yield client
+    deployment.print_logs_since(offsets)
+    deployment.settle(client)

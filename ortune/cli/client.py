@@ -29,6 +29,7 @@ _transient = retry(
 
 class Client:
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 60.0) -> None:
+        self.api_key = api_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, headers=headers)
 

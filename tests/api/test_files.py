@@ -245,7 +245,7 @@ def test_a_json_body_over_the_limit_is_413_declared_or_chunked(client: TestClien
     assert "chunked request body" in chunked.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_an_upload_the_store_refuses_is_a_503_that_leaves_nothing(
     client: TestClient, settings: Settings, tmp_path: Path
 ) -> None:

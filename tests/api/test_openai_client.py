@@ -28,9 +28,9 @@ def finished(client: openai.OpenAI, job_id: str, timeout: float = 300) -> Any:
     return job
 
 
-@pytest.mark.parametrize("settings", ["production"], indirect=True)
+@pytest.mark.parametrize("config", ["production"], indirect=True)
 def test_openai_client_runs_a_job(service: Client, tmp_path: Path) -> None:
-    client = openai.OpenAI(base_url=f"{service.http.base_url}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{service.http.base_url}/v1", api_key=service.api_key, max_retries=0)
     with (DEMO / "sentiment_valid.jsonl").open("rb") as fh:
         file = client.files.create(file=fh, purpose="fine-tune")
     assert file.status == "processed" and file.bytes == (DEMO / "sentiment_valid.jsonl").stat().st_size
@@ -68,11 +68,11 @@ def test_openai_client_runs_a_job(service: Client, tmp_path: Path) -> None:
     assert client.fine_tuning.jobs.retrieve(long.id).status == "cancelled"
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_openai_client_creates_a_dpo_job_with_method(service: Client, tmp_path: Path) -> None:
     """A DPO job as OpenAI documents it (`method={"type": "dpo", ...}`, preference rows) through the official
     client: created, shown back in the client's own types, trained."""
-    client = openai.OpenAI(base_url=f"{service.http.base_url}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{service.http.base_url}/v1", api_key=service.api_key, max_retries=0)
     with write_jsonl(tmp_path / "pairs.jsonl", preference_rows(16)).open("rb") as fh:
         file = client.files.create(file=fh, purpose="fine-tune")
     job = client.fine_tuning.jobs.create(

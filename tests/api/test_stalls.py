@@ -25,7 +25,7 @@ from ortune.settings import Settings
 from ortune.storage import open_store
 from tests.support import rows, write_jsonl
 
-pytestmark = pytest.mark.parametrize("settings", ["production"], indirect=True)
+pytestmark = pytest.mark.parametrize("config", ["production"], indirect=True)
 
 
 @contextmanager

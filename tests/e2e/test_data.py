@@ -14,6 +14,7 @@ from ortune.cli import embedded
 from ortune.cli.client import Client
 from ortune.settings import Settings
 from ortune.storage import ObjectNotFound, open_store
+from tests.deployments import Deployment
 from tests.support import TERMINAL, checkpoints, events, rows, wait_for, wait_until, write_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -72,7 +73,7 @@ def messages(client: Client, job_id: str) -> list[str]:
     return [e["message"] for e in events(client, job_id)]
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_a_large_file_trains_with_memory_flat_in_its_size_and_is_tokenized_once(
     service: Client, tmp_path: Path
 ) -> None:
@@ -97,7 +98,7 @@ def test_a_large_file_trains_with_memory_flat_in_its_size_and_is_tokenized_once(
     assert values and max(values) < 0.2  # length-bucketed batches; random ones pad about half
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_a_trainer_over_its_memory_limit_fails_with_out_of_memory(settings: Settings, tmp_path: Path) -> None:
     limited = settings.model_copy(update={"trainer_memory_limit": 160 * 2**20})
     with embedded.start(limited, log_dir=tmp_path / "logs"):
@@ -110,7 +111,8 @@ def test_a_trainer_over_its_memory_limit_fails_with_out_of_memory(settings: Sett
     assert any(f"while {phase}" in message for phase in ("tokenizing", "loading", "training", "starting"))
 
 
-def test_an_attempt_leaves_no_work_directory(settings: Settings, service: Client, tmp_path: Path) -> None:
+def test_an_attempt_leaves_no_work_directory(deployment: Deployment, service: Client, tmp_path: Path) -> None:
+    work = deployment.settings.job_work_dir
     train = service.upload(write_jsonl(tmp_path / "train.jsonl", rows(64)))
     ok = train_job(service, train["id"])
     failing = train_job(service, train["id"], backend="ort", precision="bf16")  # ORT on CPU is fp32 only
@@ -122,15 +124,14 @@ def test_an_attempt_leaves_no_work_directory(settings: Settings, service: Client
     for job_id in ends:
         wait_until(
             f"{job_id}'s work directory to go",
-            lambda j=job_id: (
-                not (settings.job_work_dir / j).exists() or not any((settings.job_work_dir / j).iterdir())
-            ),
+            lambda j=job_id: not (work / j).exists() or not any((work / j).iterdir()),
         )
 
 
 def test_retention_keeps_the_last_checkpoints_and_the_best(
-    settings: Settings, service: Client, tmp_path: Path
+    deployment: Deployment, service: Client, tmp_path: Path
 ) -> None:
+    settings = deployment.settings
     train = service.upload(write_jsonl(tmp_path / "train.jsonl", rows(64)))
     valid = service.upload(write_jsonl(tmp_path / "valid.jsonl", rows(16, "sentiment_valid.jsonl")))
     job = train_job(

@@ -31,7 +31,7 @@ def mlflow(uri: str, experiment: str) -> list[dict[str, Any]]:
 
 
 # the integration is the worker's, the same on both configurations: one is enough for its two jobs
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_a_job_logs_its_run_to_mlflow_and_an_unreachable_server_costs_only_the_integration(
     service: Client, tmp_path: Path, mlflow_url: str
 ) -> None:

@@ -105,7 +105,7 @@ def test_classification_job_end_to_end(service: Client, tmp_path: Path) -> None:
     assert (onnx_logits.argmax(-1) == pt_logits.argmax(-1)).all()
 
 
-@pytest.mark.parametrize("settings", ["production"], indirect=True)
+@pytest.mark.parametrize("config", ["production"], indirect=True)
 def test_causal_lm_job_end_to_end(service: Client, tmp_path: Path) -> None:
     rows = [
         {"prompt": f"Q: what is {a} plus {b}? A:", "completion": f" {a + b}"}
@@ -159,7 +159,7 @@ def test_causal_lm_job_end_to_end(service: Client, tmp_path: Path) -> None:
     assert tokens[: len(want)] == want
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_cancel_a_running_job_stops_training(service: Client, tmp_path: Path) -> None:
     train = service.upload(write_jsonl(tmp_path / "train.jsonl", rows(64)))
     job = service.create_job(
@@ -183,7 +183,7 @@ def test_cancel_a_running_job_stops_training(service: Client, tmp_path: Path) ->
     assert final["status"] == "cancelled" and final["progress"]["step"] == step
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_backend_ort_job_reports_ort(service: Client, tmp_path: Path) -> None:
     train = service.upload(write_jsonl(tmp_path / "train.jsonl", rows(32)))
     job = service.create_job(
@@ -199,7 +199,7 @@ def test_backend_ort_job_reports_ort(service: Client, tmp_path: Path) -> None:
     assert any("ONNX Runtime trained this job" in e["message"] for e in events(service, job["id"]))
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_broken_ort_install_fails_backend_ort_with_the_reason(
     settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -299,7 +299,7 @@ def test_a_dpo_job_end_to_end(service: Client, tmp_path: Path) -> None:
     assert formats == {"pytorch", "onnx"}
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_a_job_continued_from_a_fine_tuned_model_starts_from_its_weights(
     service: Client, tmp_path: Path
 ) -> None:
@@ -337,7 +337,7 @@ def test_a_job_continued_from_a_fine_tuned_model_starts_from_its_weights(
     assert c[0] < (a[0] + a[19]) / 2, (a[:3], a[19], c)  # nearer step 20's loss than the start's
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_truncated_rows_refuse_fails_the_job_naming_the_lines(service: Client, tmp_path: Path) -> None:
     """hyperparameters.truncated_rows: refuse: rows whose reply max_seq_length would cut away fail the job
     at tokenizing, with the lines named, instead of being left out."""

@@ -105,7 +105,7 @@ def test_killed_worker_resumes_from_its_last_checkpoint(settings: Settings, tmp_
         assert "decided by this job's first attempt" in second["reason"]
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_a_worker_restarted_on_the_host_of_a_dead_one_takes_its_job_back_at_once(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -127,7 +127,7 @@ def test_a_worker_restarted_on_the_host_of_a_dead_one_takes_its_job_back_at_once
 
 # Postgres only: in the embedded default a worker frozen inside a write holds SQLite's one write lock, and
 # every other writer (the sweep that would requeue the job) waits until it wakes (seen in CI, by chance).
-@pytest.mark.parametrize("settings", ["production"], indirect=True)
+@pytest.mark.parametrize("config", ["production"], indirect=True)
 def test_a_frozen_worker_that_wakes_after_its_job_moved_on_writes_nothing(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -182,7 +182,7 @@ def test_a_frozen_worker_that_wakes_after_its_job_moved_on_writes_nothing(
     assert "superseded" in (tmp_path / "logs" / "worker.log").read_text()
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_storage_refusing_writes_skips_a_checkpoint_and_requeues_an_unstorable_model(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -216,7 +216,7 @@ def test_storage_refusing_writes_skips_a_checkpoint_and_requeues_an_unstorable_m
     assert all(n["free_devices"] == n["devices"] and not n["running"] for n in nodes), nodes
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_a_worker_killed_during_a_pause_checkpoint_leaves_no_stuck_pause_or_held_device(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -263,7 +263,7 @@ def test_too_many_lost_attempts_fail_the_job(settings: Settings, tmp_path: Path)
     assert "the limit is 1" in done["error"]["message"]
 
 
-@pytest.mark.parametrize("settings", ["production"], indirect=True)
+@pytest.mark.parametrize("config", ["production"], indirect=True)
 def test_redis_restart_loses_no_job(settings: Settings, tmp_path: Path) -> None:
     redis = services.RedisServer(tmp_path)
     redis.start()

@@ -122,7 +122,7 @@ def test_cancelling_a_search_cancels_its_trials(service: Client, tmp_path: Path)
     assert len(service.get(f"/v1/fine_tuning/jobs/{parent['id']}/trials")["data"]) == 2  # no new trial
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_trials_count_against_the_tenants_concurrent_job_quota(settings: Any) -> None:
     """A search with 3 trials at a time, for a tenant that may hold 2 unfinished jobs: the search itself is
     one, so one trial runs at a time."""

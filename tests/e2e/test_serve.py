@@ -68,7 +68,7 @@ def test_a_fine_tuned_chat_model_answers_through_the_openai_client(service: Clie
         hyperparameters={"n_epochs": 6, "batch_size": 8, "learning_rate": 3e-3},
     )
     name = done["fine_tuned_model"]
-    client = openai.OpenAI(base_url=f"{service.http.base_url}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{service.http.base_url}/v1", api_key=service.api_key, max_retries=0)
     messages = [{"role": "user", "content": "What does a cow say?"}]
     answer = client.chat.completions.create(model=name, messages=messages, temperature=0, max_tokens=12)  # type: ignore[arg-type]
     reply = answer.choices[0].message.content
@@ -114,7 +114,7 @@ def test_a_fine_tuned_chat_model_answers_through_the_openai_client(service: Clie
     assert hot.value.body["param"] == "temperature"  # type: ignore[index]
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_a_fine_tuned_classifier_gives_label_scores(service: Client, tmp_path: Path) -> None:
     train = service.upload(write_jsonl(tmp_path / "train.jsonl", rows(64)))
     done = trained(

@@ -111,7 +111,7 @@ def test_ddp_across_two_nodes_matches_one_process(settings: Settings, tmp_path: 
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 @pytest.mark.parametrize(("strategy", "backend"), [("zero1", "torch"), ("ddp", "ort"), ("zero1", "ort")])
 def test_zero1_and_ort_inside_across_two_nodes(
     settings: Settings, tmp_path: Path, strategy: str, backend: str
@@ -185,7 +185,7 @@ def test_killing_one_rank_fails_the_attempt_with_its_error(settings: Settings, t
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("settings", ["production"], indirect=True)
+@pytest.mark.parametrize("config", ["production"], indirect=True)
 def test_zero1_job_resumes_on_all_nodes_after_its_rank0_worker_dies(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -236,7 +236,7 @@ def test_zero1_job_resumes_on_all_nodes_after_its_rank0_worker_dies(
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_pause_and_resume_a_zero1_job_across_two_nodes(settings: Settings, tmp_path: Path) -> None:
     s = settings.model_copy(update={"sweep_seconds": 0.5})
     with two_nodes(s, tmp_path) as (client, _):
@@ -282,7 +282,7 @@ def test_pause_and_resume_a_zero1_job_across_two_nodes(settings: Settings, tmp_p
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_a_node_that_cannot_stage_fails_the_attempt_at_once(settings: Settings, tmp_path: Path) -> None:
     s = settings.model_copy(update={"sweep_seconds": 0.5})
     broken = s.model_copy(update={"work_dir": Path("/dev/null/work")})  # node-b cannot make its folder
@@ -304,7 +304,7 @@ def test_a_node_that_cannot_stage_fails_the_attempt_at_once(settings: Settings, 
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 @pytest.mark.parametrize(
     ("kind", "strategy", "backend"),
     [("image", "ddp", "torch"), ("audio", "zero1", "ort"), ("speech", "ddp", "torch")],

@@ -133,7 +133,7 @@ def test_migrations_build_the_schema_on_postgres(pg_server: str) -> None:
         services.drop_database(pg_server, name)
 
 
-@pytest.mark.parametrize("settings", ["production"], indirect=True)
+@pytest.mark.parametrize("config", ["production"], indirect=True)
 def test_reads_skip_the_transaction_and_writers_keep_theirs(settings: Settings) -> None:
     """The API's reads run in autocommit (one round trip each), on connections of their own; a unit of work
     is still one transaction."""

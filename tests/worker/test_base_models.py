@@ -16,7 +16,7 @@ from worker import base_models
 from worker.staging import store_of
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_a_fine_tuned_base_is_fetched_once_and_only_if_its_bytes_are_the_recorded_ones(
     settings: Settings, tmp_path: Path
 ) -> None:

@@ -24,7 +24,7 @@ def points(settings: Settings, job_id: str) -> list[tuple[int, float]]:
         return MetricRepository(session).series(job_id, ["train_loss"]).get("train_loss", [])
 
 
-@pytest.mark.parametrize("settings", ["embedded", "production"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded", "production"], indirect=True)
 def test_a_superseded_attempts_relay_writes_nothing(settings: Settings) -> None:
     job_id = job_on(settings, 2, JobStatus.running)  # attempt 1 was requeued; attempt 2 runs elsewhere
     stale, live = Relay(settings.database_url, job_id, 1), Relay(settings.database_url, job_id, 2)

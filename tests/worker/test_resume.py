@@ -48,7 +48,7 @@ def job_with_checkpoints(settings: Settings, tmp: Path, steps: list[int], nodes:
         return job
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_a_damaged_checkpoint_is_not_unpacked_and_the_older_one_resumes(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -69,7 +69,7 @@ def test_a_damaged_checkpoint_is_not_unpacked_and_the_older_one_resumes(
     assert resume_point(settings, store, job, tmp_path / "work2") is None  # nothing usable: start over
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_another_nodes_damaged_part_is_not_unpacked_either(settings: Settings, tmp_path: Path) -> None:
     """A two-node job's checkpoint: rank 0's archive and node 1's part (under ZeRO, its optimizer shards,
     which a resume unpickles). The part was unpacked unchecked; now it is checked like the main one."""

@@ -46,7 +46,7 @@ def live(settings: Settings) -> list[Assignment]:
         return list(session.scalars(select(Assignment).where(Assignment.released_at.is_(None))))
 
 
-@pytest.mark.parametrize("settings", ["production"], indirect=True)
+@pytest.mark.parametrize("config", ["production"], indirect=True)
 def test_concurrent_dispatchers_never_double_book_and_keep_priority(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -96,7 +96,7 @@ def test_concurrent_dispatchers_never_double_book_and_keep_priority(
     assert not {a.job_id for a in again} & set(started)
 
 
-@pytest.mark.parametrize("settings", ["production"], indirect=True)
+@pytest.mark.parametrize("config", ["production"], indirect=True)
 def test_a_dispatch_round_waits_for_the_one_in_progress(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -176,7 +176,7 @@ def test_a_job_that_can_never_fit_is_refused_at_submit(settings: Settings) -> No
         assert [(n["id"], n["devices"], n["free_devices"]) for n in nodes] == [("a", 2, 2)]
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_a_single_process_trainer_sees_only_the_gpu_it_was_given(settings: Settings) -> None:
     """Without CUDA_VISIBLE_DEVICES a one-process trainer on a 2-GPU node saw both, and the Trainer wrapped it
     in DataParallel, doubling its batch. (No GPU here: the environment the trainer would get is checked.)"""
@@ -196,7 +196,7 @@ def test_a_single_process_trainer_sees_only_the_gpu_it_was_given(settings: Setti
     assert attempt.device_env("cpu", [0]) == {"CUDA_VISIBLE_DEVICES": ""}  # a CPU node's trainer sees none
 
 
-@pytest.mark.parametrize("settings", ["embedded", "production"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded", "production"], indirect=True)
 def test_the_sweep_frees_devices_of_attempts_that_are_over(settings: Settings) -> None:
     from worker.sweep import sweep
 

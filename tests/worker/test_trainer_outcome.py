@@ -25,7 +25,7 @@ def fake_trainer(tmp: Path, events: list[dict[str, Any]]) -> list[str]:
     return [sys.executable, str(script)]
 
 
-@pytest.mark.parametrize("settings", ["embedded"], indirect=True)
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 @pytest.mark.parametrize(
     ("failed", "expected"), [({"onnx": "ONNX export failed: boom"}, "succeeded"), ({}, "failed")]
 )
