@@ -3,6 +3,8 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pytest-xdist processes for `make test`: two on the 2-core CI machine; 0 runs the suite in this process
+TEST_WORKERS ?= 2
 
 .PHONY: system-deps install setup-ort demo test lint typecheck pytest bench up clean
 
@@ -46,7 +48,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 pytest: $(STAMP) system-deps
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 

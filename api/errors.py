@@ -166,88 +166,96 @@ def _internal(exc: Exception) -> JSONResponse:
     )
 
 
-def install(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(
-            body(exc.message, code=exc.code, type=exc.type, param=exc.param),
-            status_code=exc.status_code,
-            headers=exc.headers,
-        )
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(
+        body(exc.message, code=exc.code, type=exc.type, param=exc.param),
+        status_code=exc.status_code,
+        headers=exc.headers,
+    )
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors, seen = [], set()
-        for err in exc.errors():  # a union reports once per member; the first says it best
-            where = _loc(tuple(err.get("loc", ())))
-            if where not in seen:
-                seen.add(where)
-                errors.append(err)
-        messages = []
-        for err in errors:
-            where = _loc(tuple(err.get("loc", ())))
-            if err.get("type") == "extra_forbidden":
-                messages.append(f"unknown field '{where}'")
-            elif err.get("type") == "missing":
-                messages.append(f"missing required field '{where}'")
-            else:
-                messages.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        param = _loc(tuple(errors[0].get("loc", ()))) if errors else None
-        return JSONResponse(
-            body("; ".join(messages), code="invalid_request", param=param or None), status_code=422
-        )
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
-            exc.status_code, "http_error"
-        )
-        headers = dict(getattr(exc, "headers", None) or {})
-        message = str(exc.detail)
-        if exc.status_code == 405:
-            # Starlette's Allow names the methods of the first route on the path only; name them all.
-            allowed = _allowed_methods(request)
-            headers["Allow"] = ", ".join(allowed)
-            message = f"{request.method} is not allowed on {request.url.path}; use {', '.join(allowed)}"
-        return JSONResponse(body(message, code=code), status_code=exc.status_code, headers=headers)
+async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors, seen = [], set()
+    for err in exc.errors():  # a union reports once per member; the first says it best
+        where = _loc(tuple(err.get("loc", ())))
+        if where not in seen:
+            seen.add(where)
+            errors.append(err)
+    messages = []
+    for err in errors:
+        where = _loc(tuple(err.get("loc", ())))
+        if err.get("type") == "extra_forbidden":
+            messages.append(f"unknown field '{where}'")
+        elif err.get("type") == "missing":
+            messages.append(f"missing required field '{where}'")
+        else:
+            messages.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    param = _loc(tuple(errors[0].get("loc", ()))) if errors else None
+    return JSONResponse(
+        body("; ".join(messages), code="invalid_request", param=param or None), status_code=422
+    )
 
-    @app.exception_handler(DBAPIError)
-    async def _db_down(_: Request, exc: DBAPIError) -> JSONResponse:
-        # SQLAlchemy's asyncpg dialect raises a timeout as a bare DBAPIError; the sqlstate says what it was
-        if getattr(exc.orig, "sqlstate", None) in BUSY:
-            return JSONResponse(
-                body(
-                    "the database is busy: this request waited longer than the API's lock or statement "
-                    "timeout; retry shortly",
-                    code="database_busy",
-                    type="server_error",
-                ),
-                status_code=503,
-                headers={"Retry-After": "1"},
-            )
-        if not _unavailable(exc):
-            log.error("database error in a request", exc_info=exc)  # Starlette logs no 500 handled here
-            return _internal(exc)
+
+async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
+        exc.status_code, "http_error"
+    )
+    headers = dict(getattr(exc, "headers", None) or {})
+    message = str(exc.detail)
+    if exc.status_code == 405:
+        # Starlette's Allow names the methods of the first route on the path only; name them all.
+        allowed = _allowed_methods(request)
+        headers["Allow"] = ", ".join(allowed)
+        message = f"{request.method} is not allowed on {request.url.path}; use {', '.join(allowed)}"
+    return JSONResponse(body(message, code=code), status_code=exc.status_code, headers=headers)
+
+
+async def _db_down(_: Request, exc: DBAPIError) -> JSONResponse:
+    # SQLAlchemy's asyncpg dialect raises a timeout as a bare DBAPIError; the sqlstate says what it was
+    if getattr(exc.orig, "sqlstate", None) in BUSY:
         return JSONResponse(
             body(
-                "the database is unavailable; retry shortly", code="database_unavailable", type="server_error"
-            ),
-            status_code=503,
-            headers={"Retry-After": "5"},
-        )
-
-    @app.exception_handler(StorageUnavailable)
-    async def _storage_down(_: Request, exc: StorageUnavailable) -> JSONResponse:
-        return JSONResponse(
-            body(
-                "object storage is unavailable; nothing was stored, retry shortly",
-                code="storage_unavailable",
+                "the database is busy: this request waited longer than the API's lock or statement "
+                "timeout; retry shortly",
+                code="database_busy",
                 type="server_error",
             ),
             status_code=503,
-            headers={"Retry-After": "5"},
+            headers={"Retry-After": "1"},
         )
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    if not _unavailable(exc):
+        log.error("database error in a request", exc_info=exc)  # Starlette logs no 500 handled here
         return _internal(exc)
+    return JSONResponse(
+        body("the database is unavailable; retry shortly", code="database_unavailable", type="server_error"),
+        status_code=503,
+        headers={"Retry-After": "5"},
+    )
+
+
+async def _storage_down(_: Request, exc: StorageUnavailable) -> JSONResponse:
+    return JSONResponse(
+        body(
+            "object storage is unavailable; nothing was stored, retry shortly",
+            code="storage_unavailable",
+            type="server_error",
+        ),
+        status_code=503,
+        headers={"Retry-After": "5"},
+    )
+
+
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    return _internal(exc)
+
+
+def install(app: FastAPI) -> None:
+    for exc_type, handler in (
+        (APIError, _api_error),
+        (RequestValidationError, _validation),
+        (StarletteHTTPException, _http),
+        (DBAPIError, _db_down),
+        (StorageUnavailable, _storage_down),
+        (Exception, _unexpected),
+    ):
+        app.add_exception_handler(exc_type, handler)  # type: ignore[arg-type]

@@ -1,7 +1,12 @@
-"""Fixtures for the two configurations every service test runs against:
+"""Fixtures for the two configurations service tests run against:
 
 - `embedded`: SQLite, Celery over kombu's SQLAlchemy transport on a SQLite file, a local folder;
 - `production`: Postgres, Redis and SeaweedFS's S3, all real servers (see tests/services.py).
+
+A test runs on both unless it names one (`@pytest.mark.parametrize("config", [...], indirect=True)`): the
+README's test matrix says which run where and why. Under pytest-xdist (`make test` runs two processes)
+each process has its own servers and shared deployments; only the tests that build network namespaces
+share a group, so they never run at the same time as each other.
 """
 
 from __future__ import annotations
@@ -25,6 +30,16 @@ from tests.support import DEMO, TEST_DEFAULTS, embedded_settings, upload
 pytest_plugins = ["tests.timing"]  # per-file and per-fixture times at the end of every run
 
 RUN = uuid.uuid4().hex[:8]
+# Tests that give a job several hosts: their multi-node jobs each want both cores for their ranks' rendezvous
+# and collectives, so they run one at a time, on one xdist worker, beside the rest of the suite.
+HOSTS_GROUP = {"tests/e2e/test_hosts.py", "tests/e2e/test_two_nodes.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the items
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.split("::")[0] in HOSTS_GROUP:
+            item.add_marker(pytest.mark.xdist_group("hosts"))
 
 
 @pytest.fixture(scope="session")

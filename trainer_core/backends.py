@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -164,17 +165,7 @@ def measure(
     device = next(model.parameters()).device
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
-
-    def step(module: Any, batch: dict[str, Any]) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            loss = module(**batch).loss
-        loss.backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1000
+    step = _step_timer(device, autocast_dtype)
 
     t0 = time.perf_counter()
     _set_attention(model, "sdpa")
@@ -191,40 +182,96 @@ def measure(
     }
     if budget_s < ORT_SETUP_FLOOR_S:
         model.zero_grad(set_to_none=True)
-        figures |= {"torch_ms": torch_times[0], "cost_s": time.perf_counter() - t0, "used": "torch"}
-        figures["reason"] = (
-            f"this job is expected to train for {expected_s:.0f}s with PyTorch; measuring ORT (its export "
-            f"alone takes over {ORT_SETUP_FLOOR_S:.0f}s) would cost more than {budget_fraction:.0%} of that, "
-            "so kept torch"
-        )
-        return figures
+        return figures | _unmeasured(torch_times[0], expected_s, budget_fraction, time.perf_counter() - t0)
     _set_attention(model, "eager")
     ort_module = wrap(model, log_level)
     setup = time.perf_counter()
     step(ort_module, batches[0])  # ORT's export and graph build
     export_s = time.perf_counter() - setup
+    ort_times = _interleaved(
+        model, ort_module, step, batches, torch_times, lambda: time.perf_counter() - t0 > budget_s
+    )
+    model.zero_grad(set_to_none=True)
+    torch.set_rng_state(rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
+    figures |= _verdict(
+        statistics.median(torch_times[1:]), statistics.median(ort_times), export_s, micro_steps
+    )
+    figures["rounds"] = len(ort_times)
+    if figures["used"] == "ort":
+        figures["ort_module"] = ort_module
+        _set_attention(model, "eager")
+    else:
+        del ort_module
+        gc.collect()
+        _set_attention(model, "sdpa")
+    figures["cost_s"] = time.perf_counter() - t0
+    return figures
+
+
+def _unmeasured(torch_ms: float, expected_s: float, budget_fraction: float, cost_s: float) -> dict[str, Any]:
+    return {
+        "torch_ms": torch_ms,
+        "cost_s": cost_s,
+        "used": "torch",
+        "reason": (
+            f"this job is expected to train for {expected_s:.0f}s with PyTorch; measuring ORT (its export "
+            f"alone takes over {ORT_SETUP_FLOOR_S:.0f}s) would cost more than {budget_fraction:.0%} of that, "
+            "so kept torch"
+        ),
+    }
+
+
+def _step_timer(device: Any, autocast_dtype: Any) -> Callable[[Any, dict[str, Any]], float]:
+    """One forward and backward of a module on a batch, in milliseconds (the device synchronised)."""
+    import torch
+
+    def step(module: Any, batch: dict[str, Any]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = module(**batch).loss
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1000
+
+    return step
+
+
+def _interleaved(
+    model: Any,
+    ort_module: Any,
+    step: Callable[[Any, dict[str, Any]], float],
+    batches: list[dict[str, Any]],
+    torch_times: list[float],
+    over_budget: Callable[[], bool],
+) -> list[float]:
+    """ORT's step times, a PyTorch step after each (appended to `torch_times`): interleaved, so drift on a
+    shared machine hits both alike; at least three rounds, then until the budget is spent."""
     ort_times: list[float] = []
-    for i in range(MAX_ROUNDS):  # interleaved, so drift on a shared machine hits both alike
+    for i in range(MAX_ROUNDS):
         batch = batches[i % len(batches)]
         _set_attention(model, "eager")
         ort_times.append(step(ort_module, batch))
         _set_attention(model, "sdpa")
         torch_times.append(step(model, batch))
-        if i >= 2 and time.perf_counter() - t0 > budget_s:
+        if i >= 2 and over_budget():
             break
-    model.zero_grad(set_to_none=True)
-    torch.set_rng_state(rng)
-    if cuda_rng is not None:
-        torch.cuda.set_rng_state_all(cuda_rng)
-    torch_ms, ort_ms = statistics.median(torch_times[1:]), statistics.median(ort_times)
+    return ort_times
+
+
+def _verdict(torch_ms: float, ort_ms: float, export_s: float, micro_steps: int) -> dict[str, Any]:
+    """Which engine trains the job faster, its export counted, and why, as the job records it."""
     torch_cost = torch_ms / 1000 * micro_steps
     ort_cost = ort_ms / 1000 * micro_steps + export_s
     used = "ort" if ort_cost < torch_cost * (1 - MARGIN) else "torch"
-    figures |= {
+    return {
         "torch_ms": torch_ms,
         "ort_ms": ort_ms,
         "ort_export_s": round(export_s, 2),
-        "rounds": len(ort_times),
         "torch_expected_s": round(torch_cost, 1),
         "ort_expected_s": round(ort_cost, 1),
         "used": used,
@@ -234,15 +281,6 @@ def measure(
             f"{ort_cost:.0f}s for the job; ORT is kept only when {MARGIN:.0%} faster; kept {used}"
         ),
     }
-    if used == "ort":
-        figures["ort_module"] = ort_module
-        _set_attention(model, "eager")
-    else:
-        del ort_module
-        gc.collect()
-        _set_attention(model, "sdpa")
-    figures["cost_s"] = time.perf_counter() - t0
-    return figures
 
 
 def _set_attention(model: Any, implementation: str) -> None:

@@ -22,7 +22,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -91,6 +91,22 @@ class Meta:
     @classmethod
     def read(cls, store: Path) -> Meta:
         return cls(**json.loads((store / "meta.json").read_text()))
+
+
+class Store(Protocol):
+    """What the trainer reads of any store, token or media (mediastore.MediaStore): row i as its collator
+    wants it, each row's length for the bucketed sampler, the meta and the tokenizer kept beside it."""
+
+    path: Path
+    meta: Meta
+    lengths: np.ndarray
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> dict[str, Any]: ...
+
+    @property
+    def tokenizer_dir(self) -> Path | None: ...
 
 
 class TokenStore:

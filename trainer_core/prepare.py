@@ -227,7 +227,7 @@ def _build_media(
     )
 
 
-def open_store(path: Path, task: str) -> Any:
+def open_store(path: Path, task: str) -> datastore.Store:
     """A whole store opened read-only: token ids, or decoded media."""
     return mediastore.MediaStore(path) if mediastore.is_media(task) else TokenStore(path)
 
@@ -243,7 +243,9 @@ def _truncated(meta: datastore.Meta, spec: TrainingSpec, tokenizer: Any, what: s
     )
 
 
-def check_truncation(store: TokenStore, spec: TrainingSpec, tokenizer: Callable[[], Any], what: str) -> None:
+def check_truncation(
+    store: datastore.Store, spec: TrainingSpec, tokenizer: Callable[[], Any], what: str
+) -> None:
     """A store's left-out rows against the job's policy: a file that truncation emptied is always refused,
     any left-out row when `truncated_rows` is "refuse". Checked on every open, cached stores too."""
     meta = store.meta
@@ -324,7 +326,7 @@ def ensure(spec: TrainingSpec, events: EventStream) -> tuple[Any, Any]:
     return train, valid
 
 
-def load_tokenizer(spec: TrainingSpec, train: TokenStore) -> Any:
+def load_tokenizer(spec: TrainingSpec, train: datastore.Store) -> Any:
     from transformers import AutoTokenizer
 
     source = train.tokenizer_dir or spec.model_path

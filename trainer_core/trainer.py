@@ -11,7 +11,7 @@ from trainer_core import mediastore
 from trainer_core.backends import BackendChoice
 from trainer_core.callbacks import CheckpointPacing, DivergenceGuard, EventCallback, StopOnRequest
 from trainer_core.data import BucketSampler, Collator, Packed, PackedCollator
-from trainer_core.datastore import TokenStore
+from trainer_core.datastore import Store, TokenStore
 from trainer_core.events import EventStream
 from trainer_core.ort_trainer import ORTTrainer, ORTTrainingArguments
 from trainer_core.spec import TrainingSpec
@@ -110,8 +110,8 @@ def supervised_trainer(
     spec: TrainingSpec,
     choice: BackendChoice,
     loaded: Any,
-    train: TokenStore,
-    valid: TokenStore | None,
+    train: Store,
+    valid: Store | None,
     events: EventStream,
     *,
     cuda: bool,
@@ -125,6 +125,7 @@ def supervised_trainer(
     collator = collator_for(spec, tokenizer, train)
     train_set: Any = train
     if spec.packing:
+        assert isinstance(train, TokenStore)  # the spec allows packing only where the loss is on tokens
         train_set, collator = _packed(spec, train, tokenizer, events)
     # bucketed by the global batch: accelerate cuts each into the ranks' parts
     sampler = BucketSampler(train_set.lengths, hp.batch_size, spec.seed)

@@ -14,7 +14,7 @@ from api.services import job_checks as checks
 from api.services import quota
 from ortune import lifecycle
 from ortune.db.base import new_id
-from ortune.db.models import Job, JobStatus, Tenant
+from ortune.db.models import File, Job, JobStatus, Tenant
 from ortune.db.repositories import (
     ArtifactRepository,
     CheckpointRepository,
@@ -37,39 +37,13 @@ def create(
     session: Session, settings: Settings, caller: Caller, req: JobCreate, job_id: str | None = None
 ) -> Job:
     model, source, base = _base_model(session, settings, caller, req.model)
-    train = checks.file(session, caller, req.training_file, "training_file", req.task)
-    task = req.task or tasks.for_rows(train.row_kind).name
-    if task not in model.tasks:
-        raise APIError(
-            f"model {model.id} cannot be fine-tuned for {task} (it supports {', '.join(model.tasks)})",
-            param="model",
-            code="unsupported_task",
-        )
-    valid = (
-        checks.file(session, caller, req.validation_file, "validation_file", task)
-        if req.validation_file
-        else None
-    )
-    if valid is not None and valid.row_kind != train.row_kind:
-        raise APIError(
-            f"validation file holds {valid.row_kind} rows, training file {train.row_kind} rows",
-            param="validation_file",
-            code="invalid_file",
-        )
+    task, train, valid = _task_and_files(session, caller, req, model)
     method = req.trained_method()
     checks.method(method, train, task, req.backend)
     checks.lora(req, task)
     labels = checks.labels(train, valid, source, task, req.model)
     hp = req.effective_hyperparameters()
-    if hp.max_steps is not None and hp.max_steps > settings.max_steps:
-        raise APIError(
-            f"max_steps {hp.max_steps} is over this deployment's limit of {settings.max_steps}",
-            param="hyperparameters.max_steps",
-            code="limit_exceeded",
-        )
-    for i, integration in enumerate(req.integrations):
-        if integration.type == "wandb":
-            raise APIError(WANDB_REFUSED, param=f"integrations[{i}]", code="unsupported_integration")
+    _check_limits(req, hp.max_steps, settings)
     dist = req.distributed or Distributed()
     searching = req.hyperparameter_search is not None
     if dist.world_size > 1:
@@ -115,17 +89,60 @@ def create(
         backend_requested=req.backend,
         world_size=dist.world_size,
     )
+    _record(session, settings, job, req.priority)
+    return job
+
+
+def _task_and_files(
+    session: Session, caller: Caller, req: JobCreate, model: registry.ModelInfo
+) -> tuple[str, File, File | None]:
+    """The job's task (asked for, or the training rows' default) and its two files, checked for it."""
+    train = checks.file(session, caller, req.training_file, "training_file", req.task)
+    task = req.task or tasks.for_rows(train.row_kind).name
+    if task not in model.tasks:
+        raise APIError(
+            f"model {model.id} cannot be fine-tuned for {task} (it supports {', '.join(model.tasks)})",
+            param="model",
+            code="unsupported_task",
+        )
+    valid = (
+        checks.file(session, caller, req.validation_file, "validation_file", task)
+        if req.validation_file
+        else None
+    )
+    if valid is not None and valid.row_kind != train.row_kind:
+        raise APIError(
+            f"validation file holds {valid.row_kind} rows, training file {train.row_kind} rows",
+            param="validation_file",
+            code="invalid_file",
+        )
+    return task, train, valid
+
+
+def _check_limits(req: JobCreate, max_steps: int | None, settings: Settings) -> None:
+    if max_steps is not None and max_steps > settings.max_steps:
+        raise APIError(
+            f"max_steps {max_steps} is over this deployment's limit of {settings.max_steps}",
+            param="hyperparameters.max_steps",
+            code="limit_exceeded",
+        )
+    for i, integration in enumerate(req.integrations):
+        if integration.type == "wandb":
+            raise APIError(WANDB_REFUSED, param=f"integrations[{i}]", code="unsupported_integration")
+
+
+def _record(session: Session, settings: Settings, job: Job, asked_priority: int) -> None:
+    """The job's row and first events; its message is sent once they commit."""
     JobRepository(session).add(job)
-    EventRepository(session).add(job.id, f"Created fine-tuning job {job.id}: {task} on {model.id}")
-    if priority != req.priority:
+    EventRepository(session).add(job.id, f"Created fine-tuning job {job.id}: {job.task} on {job.model}")
+    if job.priority != asked_priority:
         EventRepository(session).add(
             job.id,
-            f"Priority {req.priority} was lowered to {priority}, this tenant's maximum",
+            f"Priority {asked_priority} was lowered to {job.priority}, this tenant's maximum",
             level="warn",
         )
     send, job_id = enqueue_for(job), job.id
     on_commit(session, lambda: send(settings, job_id))
-    return job
 
 
 CHECKPOINT_NAME = re.compile(r"^ft:.*:(?P<job>[^:]+):ckpt-step-(?P<step>\d+)$")

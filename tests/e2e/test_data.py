@@ -111,6 +111,7 @@ def test_a_trainer_over_its_memory_limit_fails_with_out_of_memory(settings: Sett
     assert any(f"while {phase}" in message for phase in ("tokenizing", "loading", "training", "starting"))
 
 
+@pytest.mark.parametrize("config", ["production"], indirect=True)
 def test_an_attempt_leaves_no_work_directory(deployment: Deployment, service: Client, tmp_path: Path) -> None:
     work = deployment.settings.job_work_dir
     train = service.upload(write_jsonl(tmp_path / "train.jsonl", rows(64)))

@@ -114,6 +114,7 @@ def test_another_attempt_goes_on_in_the_same_run(tmp_path: Path, mlflow_url: str
     assert client.get_run(runs[0]).info.status == "FINISHED"
 
 
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_wandb_is_refused_by_name_and_a_bad_tracking_uri_is_named(service: Client, tmp_path: Path) -> None:
     with pytest.raises(APIError, match="wandb is not available on this server") as refused:
         submit(

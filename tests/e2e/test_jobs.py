@@ -234,6 +234,7 @@ def test_broken_ort_install_fails_backend_ort_with_the_reason(
         )
 
 
+@pytest.mark.parametrize("config", ["production"], indirect=True)
 def test_a_lora_chat_job_end_to_end(service: Client, tmp_path: Path) -> None:
     """method.supervised.lora through the API on chat rows: the job succeeds with an adapter beside the
     merged model and its ONNX, each downloadable with its sha256; the backend says why PyTorch ran."""
@@ -268,6 +269,7 @@ def test_a_lora_chat_job_end_to_end(service: Client, tmp_path: Path) -> None:
     assert {"adapter_config.json", "adapter_model.safetensors"} <= names
 
 
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_a_dpo_job_end_to_end(service: Client, tmp_path: Path) -> None:
     """method dpo through the API on preference pairs: the job succeeds, its events and charts carry the
     reward margins and accuracies, the held-out pairs' preference accuracy rises, and the model downloads."""

@@ -55,7 +55,7 @@ def llm_service(settings: Settings, tmp_path: Path, request: pytest.FixtureReque
 
 
 @pytest.mark.parametrize(
-    ("settings", "shape"), [("embedded", "qwen2"), ("production", "llama")], indirect=["settings"]
+    ("config", "shape"), [("embedded", "qwen2"), ("production", "llama")], indirect=["config"]
 )
 def test_lora_sft_then_dpo_on_a_local_chat_model(llm_service: Client, tmp_path: Path, shape: str) -> None:
     service = llm_service

@@ -55,7 +55,9 @@ def features(kind: str, processor: Any, files: list[bytes]) -> dict[str, Any]:
     return dict(processor(clips, sampling_rate=processor.sampling_rate, padding=True, return_tensors="np"))
 
 
-@pytest.mark.parametrize("kind", list(CASES))
+@pytest.mark.parametrize(
+    ("kind", "config"), [("image", "production"), ("audio", "embedded")], indirect=["config"]
+)
 def test_a_media_classifier_learns_and_both_artifacts_agree(
     service: Client, tmp_path: Path, kind: str
 ) -> None:
@@ -113,6 +115,7 @@ def test_a_media_classifier_learns_and_both_artifacts_agree(
     assert right == pytest.approx(accuracy[-1], abs=0.1)  # a user's own pipeline scores what the job said
 
 
+@pytest.mark.parametrize("config", ["production"], indirect=True)
 def test_a_speech_recognizer_learns_and_both_artifacts_write_the_same_transcripts(
     service: Client, tmp_path: Path
 ) -> None:

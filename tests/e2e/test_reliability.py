@@ -249,6 +249,7 @@ def test_a_worker_killed_during_a_pause_checkpoint_leaves_no_stuck_pause_or_held
     assert all(n["free_devices"] == n["devices"] and not n["running"] for n in nodes), nodes  # none held
 
 
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_too_many_lost_attempts_fail_the_job(settings: Settings, tmp_path: Path) -> None:
     s = settings.model_copy(update=FAST_SWEEP | {"max_attempts": 1})
     with embedded.start(s, log_dir=tmp_path / "logs") as running:
@@ -285,6 +286,7 @@ def test_redis_restart_loses_no_job(settings: Settings, tmp_path: Path) -> None:
     assert first["attempt"] == 1 and second["attempt"] == 1
 
 
+@pytest.mark.parametrize("config", ["production"], indirect=True)
 def test_pause_resume_and_cancel_while_running(settings: Settings, tmp_path: Path) -> None:
     total = 300
     with embedded.start(settings, log_dir=tmp_path / "logs"):
@@ -327,6 +329,7 @@ def test_pause_resume_and_cancel_while_running(settings: Settings, tmp_path: Pat
         assert wait_for(client, after["id"], TERMINAL)["status"] == "succeeded"
 
 
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_pause_resume_cancel_round_trips_while_queued(settings: Settings) -> None:
     with TestClient(create_app(settings)) as client:  # no worker: jobs stay where the API puts them
         file = upload(client, DEMO / "sentiment_train.jsonl").json()

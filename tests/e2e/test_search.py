@@ -28,6 +28,7 @@ def search_body(train: str, valid: str | None, **search: Any) -> dict[str, Any]:
     }
 
 
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)  # request validation: no store is touched
 @pytest.mark.parametrize(
     ("search", "status", "param", "fragment"),
     [
@@ -63,6 +64,7 @@ def test_an_eval_metric_needs_a_validation_file(client: TestClient, train_file: 
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_search_runs_trials_as_jobs_and_keeps_the_best(service: Client, tmp_path: Path) -> None:
     train = service.upload(write_jsonl(tmp_path / "train.jsonl", rows(48)))
     valid = service.upload(write_jsonl(tmp_path / "valid.jsonl", rows(16, "sentiment_valid.jsonl")))
@@ -103,6 +105,7 @@ def test_search_runs_trials_as_jobs_and_keeps_the_best(service: Client, tmp_path
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("config", ["production"], indirect=True)
 def test_cancelling_a_search_cancels_its_trials(service: Client, tmp_path: Path) -> None:
     train = service.upload(DEMO / "sentiment_train.jsonl")
     body = search_body(train["id"], None, metric="train_loss", n_trials=4, parallelism=2)

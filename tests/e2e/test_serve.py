@@ -57,6 +57,7 @@ def pytorch_reply(
     return str(reply).split("<|im_end|>")[0].split(tok.eos_token)[0]
 
 
+@pytest.mark.parametrize("config", ["production"], indirect=True)
 def test_a_fine_tuned_chat_model_answers_through_the_openai_client(service: Client, tmp_path: Path) -> None:
     train = service.upload(write_jsonl(tmp_path / "chat.jsonl", CHATS))
     done = trained(

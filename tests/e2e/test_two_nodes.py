@@ -150,6 +150,7 @@ def test_zero1_and_ort_inside_across_two_nodes(
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 def test_killing_one_rank_fails_the_attempt_with_its_error(settings: Settings, tmp_path: Path) -> None:
     s = settings.model_copy(update={"sweep_seconds": 0.5, "distributed_timeout_seconds": 30})
     with two_nodes(s, tmp_path) as (client, _):
