@@ -6,7 +6,7 @@
 A test runs on both unless it names one (`@pytest.mark.parametrize("config", [...], indirect=True)`): the
 README's test matrix says which run where and why. Under pytest-xdist (`make test` runs two processes)
 each process has its own servers and shared deployments; only the tests that build network namespaces
-share a group, so they never run at the same time as each other.
+share a group (`HOSTS_GROUP`), so they never run at the same time as each other.
 """
 
 from __future__ import annotations
@@ -35,11 +35,16 @@ RUN = uuid.uuid4().hex[:8]
 HOSTS_GROUP = {"tests/e2e/test_hosts.py", "tests/e2e/test_two_nodes.py"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the items
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.nodeid.split("::")[0] in HOSTS_GROUP:
-            item.add_marker(pytest.mark.xdist_group("hosts"))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Each test a unit of work of its own but the hosts group, which goes whole to one worker. (xdist's
+    own `loadgroup` marks groups by renaming items, which pytest 9.2's node ids no longer allow.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Grouped(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "hosts" if nodeid.split("::")[0] in HOSTS_GROUP else nodeid
+
+    return Grouped(config, log)
 
 
 @pytest.fixture(scope="session")

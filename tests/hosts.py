@@ -284,7 +284,10 @@ def soak(d: Deployment, workers: Workers, tmp: Path, keys: list[str], n_jobs: in
                     if r.status_code >= 500:
                         said = f"{path}: {r.text[:200]}"
                         watch.server_errors.append((r.status_code, said, r.headers.get("retry-after")))
+                ours = {j for _, j in submitted}  # other tests of the suite may train beside the soak
                 for job, attempts in trainer_attempts().items():
+                    if job not in ours:
+                        continue
                     watch.seen_trainers += 1
                     if len(attempts) > 1:
                         watch.overlaps.append((job, attempts))

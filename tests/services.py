@@ -42,12 +42,18 @@ def answers(host: str, port: int) -> bool:
         return False
 
 
+class ServerExited(RuntimeError):
+    pass
+
+
 def _wait(check: object, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             if check():  # type: ignore[operator]
                 return
+        except ServerExited:
+            raise
         except Exception:
             pass
         time.sleep(0.2)
@@ -207,6 +213,14 @@ def _weed() -> str:
 
 
 @contextmanager
+def _alive(proc: subprocess.Popen[bytes], log: Path) -> bool:
+    """True while a server starts; an exit is an error at once, with the end of its log."""
+    if proc.poll() is not None:
+        tail = log.read_text(errors="replace")[-2000:]
+        raise ServerExited(f"{proc.args[0]} exited {proc.returncode} while starting:\n{tail}")
+    return True
+
+
 def seaweedfs(tmp: Path, host: str = "127.0.0.1") -> Iterator[S3Server]:
     tmp.mkdir(parents=True, exist_ok=True)
     config = tmp / "s3.json"
@@ -251,6 +265,9 @@ def seaweedfs(tmp: Path, host: str = "127.0.0.1") -> Iterator[S3Server]:
         "-volume.max=4000",
         "-master.volumeSizeLimitMB=64",
         f"-s3.config={config}",
+        # off: unused here, and their fixed default ports (8181, 9101) keep a second server from starting
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
         *(f"-{flag}={port}" for flag, port in ports.items()),
     ]
     (tmp / "data").mkdir(exist_ok=True)
@@ -259,7 +276,9 @@ def seaweedfs(tmp: Path, host: str = "127.0.0.1") -> Iterator[S3Server]:
     endpoint = f"http://{host}:{ports['s3.port']}"
     try:
         _wait(
-            lambda: proc.poll() is None and httpx.get(endpoint, timeout=2).status_code in (200, 403),
+            lambda: (
+                _alive(proc, tmp / "weed.log") and httpx.get(endpoint, timeout=2).status_code in (200, 403)
+            ),
             f"SeaweedFS S3 (see {tmp / 'weed.log'})",
             timeout=90,
         )

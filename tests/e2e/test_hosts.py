@@ -52,5 +52,6 @@ def test_a_ddp_job_across_two_hosts_then_a_fault_soak(tmp_path: Path) -> None:
     assert report.watch.seen_trainers > 0 and report.watch.responses > 100
     other = [e for e in report.watch.server_errors if e[0] != 503 or not e[2]]
     assert not other, other  # the database's absence is a 503 with Retry-After, nothing else
-    assert not trainer_attempts()  # no trainer left behind
+    mine = {ddp["id"], *report.jobs}  # other tests of the suite may be training beside this one
+    assert not {j: a for j, a in trainer_attempts().items() if j in mine}  # no trainer left behind
     assert len(nodes_after) == 2
