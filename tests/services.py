@@ -212,7 +212,6 @@ def _weed() -> str:
     return found
 
 
-@contextmanager
 def _alive(proc: subprocess.Popen[bytes], log: Path) -> bool:
     """True while a server starts; an exit is an error at once, with the end of its log."""
     if proc.poll() is not None:
@@ -221,6 +220,7 @@ def _alive(proc: subprocess.Popen[bytes], log: Path) -> bool:
     return True
 
 
+@contextmanager
 def seaweedfs(tmp: Path, host: str = "127.0.0.1") -> Iterator[S3Server]:
     tmp.mkdir(parents=True, exist_ok=True)
     config = tmp / "s3.json"
