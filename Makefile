@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # pytest-xdist processes for `make test`: two on the 2-core CI machine; 0 runs the suite in this process
 TEST_WORKERS ?= 2
 
-.PHONY: system-deps install setup-ort demo test lint typecheck pytest bench up clean
+.PHONY: system-deps install setup-ort demo test test-fast lint typecheck pytest bench up clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -51,6 +51,12 @@ pytest: $(STAMP) system-deps
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# the edit loop: API, kernel, serve, worker and the trainer's store and registry tests (a few minutes)
+FAST_TESTS := tests/api tests/kernel tests/serve tests/worker tests/trainer_core/test_registries.py \
+	tests/trainer_core/test_datastore.py
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(FAST_TESTS) $(PYTEST_ARGS)
 
 bench: $(STAMP) system-deps
 	$(BIN)/python -m bench.run

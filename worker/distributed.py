@@ -104,10 +104,18 @@ def _env(settings: Settings, task: dict[str, Any]) -> dict[str, str]:
     devices = ",".join(str(d) for d in task["devices"])
     return _sockets(settings) | {
         "CUDA_VISIBLE_DEVICES": devices,
-        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // int(task["nproc_per_node"]))),
+        "OMP_NUM_THREADS": str(_threads_per_rank(int(task["nproc_per_node"]))),
         # DeepSpeed compiles a communication extension on its first run (~30 s); the node keeps it
         "TORCH_EXTENSIONS_DIR": str(settings.job_work_dir / "torch_extensions"),
     }
+
+
+def _threads_per_rank(nproc: int) -> int:
+    """The node's cores shared among its ranks, never more than the worker itself was given
+    (OMP_NUM_THREADS in its environment: an operator's cap, or a test process beside others)."""
+    cores = os.cpu_count() or 1
+    cap = int(os.environ.get("OMP_NUM_THREADS") or cores)
+    return max(1, min(cap, cores // nproc))
 
 
 def _load(settings: Settings, job_id: str, attempt_no: int) -> Claimed | None:

@@ -62,6 +62,7 @@ def assert_steps_contiguous(client: Client, job_id: str, total: int) -> None:
     assert series["steps"] == list(range(1, total + 1))  # redone steps replaced, none missing
 
 
+@pytest.mark.parametrize("config", ["production"], indirect=True)  # the sweep's SKIP LOCKED, S3 checkpoints
 def test_killed_worker_resumes_from_its_last_checkpoint(settings: Settings, tmp_path: Path) -> None:
     s = settings.model_copy(update=FAST_SWEEP)
     every, total = 20, 240
@@ -485,7 +486,7 @@ def test_a_database_outage_past_the_relays_patience_kills_the_trainer_and_requeu
         )
         with embedded.start(s, log_dir=tmp_path / "logs"):
             client = Client(s.api_url)
-            job = submit(client, tmp_path, 1000, 100)  # ~a minute of training: it cannot end by itself first
+            job = submit(client, tmp_path, 400, 50)  # ~20 s of training: it cannot end by itself first
             wait_until("training", lambda: client.job(job["id"])["progress"]["step"] > 5)
             first = trainers_of(job["id"])
             assert first

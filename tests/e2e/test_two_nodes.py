@@ -75,6 +75,7 @@ def losses(client: Client, job_id: str) -> list[float]:
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("config", ["production"], indirect=True)  # the other two-node tests run embedded
 def test_ddp_across_two_nodes_matches_one_process(settings: Settings, tmp_path: Path) -> None:
     s = settings.model_copy(update={"sweep_seconds": 0.5})
     with two_nodes(s, tmp_path) as (client, _):
