@@ -15,10 +15,14 @@ be the CUDA of the torch wheel (docker/worker-gpu.Dockerfile; tests/kernel/test_
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ORT_VERSION = "1.19.2"
@@ -166,6 +170,58 @@ def build(ext_dir: Path) -> None:
         )
 
 
+_SOURCE_SUFFIXES = frozenset({".cc", ".cpp", ".cu", ".h", ".py"})
+
+
+def cache_key(ext_dir: Path) -> str:
+    """What the built extensions depend on: torch, ORT, Python, the machine, CUDA or not, and every source
+    file as patched (a change to PATCHES gives a new key)."""
+    import torch
+
+    digest = hashlib.sha256()
+    for part in (torch.__version__, ORT_VERSION, platform.python_version(), platform.machine(), wants_cuda()):
+        digest.update(f"{part}\0".encode())
+    for path in sorted(ext_dir.rglob("*")):
+        rel = path.relative_to(ext_dir)
+        if path.suffix in _SOURCE_SUFFIXES and "build" not in rel.parts:
+            digest.update(f"{rel}\0".encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_root() -> Path | None:
+    """Built extensions kept across virtual environments (a fresh clone's `make install` takes them instead
+    of four minutes of compiling); ORTUNE_BUILD_CACHE moves it, an empty value turns it off."""
+    configured = os.environ.get("ORTUNE_BUILD_CACHE")
+    if configured is not None:
+        return Path(configured) if configured else None
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ortune" / "ort-extensions"
+
+
+def restore(ext_dir: Path, cache: Path | None) -> bool:
+    if cache is None or not cache.is_dir():
+        return False
+    for so in cache.glob("*.so"):
+        shutil.copy2(so, ext_dir / so.name)
+    return built(ext_dir)
+
+
+def save(ext_dir: Path, cache: Path | None) -> None:
+    """Copied aside and renamed into place, so a concurrent install never sees half an entry."""
+    if cache is None or cache.is_dir():
+        return
+    staging = None
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=cache.parent, prefix=".tmp-"))
+        for so in ext_dir.glob("*.so"):
+            shutil.copy2(so, staging / so.name)
+        staging.rename(cache)
+    except OSError as exc:  # a cache is an optimisation: a read-only home must not fail the install
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        _say(f"could not keep the built extensions in {cache} ({exc})")
+
+
 def smoke() -> str:
     result = subprocess.run([sys.executable, "-c", SMOKE], capture_output=True, text=True, timeout=600)
     last = (result.stdout.strip().splitlines() or [""])[-1]
@@ -198,14 +254,36 @@ def run(*, install: bool = False) -> str:
         ext_dir = extensions_dir()
     changed = patch_sources(ext_dir)
     _say(f"patched {', '.join(changed)}" if changed else "sources already patched")
+    root = cache_root()
+    cache = root / cache_key(ext_dir) if root else None
+    restored = False
     if changed or not built(ext_dir):
-        _say("building ORT's torch extensions (2-3 minutes on 2 cores)")
-        build(ext_dir)
+        if restored := restore(ext_dir, cache):
+            _say(f"extensions restored from {cache} (built before for this torch, ORT and these sources)")
+        else:
+            _build(ext_dir)
     else:
         _say("extensions already built")
-    line = smoke()
+    try:
+        line = smoke()
+    except SetupError as exc:
+        if not restored:
+            raise
+        _say(f"the restored extensions do not run ({exc}); building them again")
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
+        for so in ext_dir.glob("*.so"):
+            so.unlink()
+        _build(ext_dir)
+        line = smoke()
+    save(ext_dir, cache)  # only extensions that passed the smoke run are kept
     _say(f"ORTModule trains with fallback disabled ({line})")
     return line
+
+
+def _build(ext_dir: Path) -> None:
+    _say("building ORT's torch extensions (about 4 minutes on 2 cores)")
+    build(ext_dir)
 
 
 def reason_if_broken() -> str | None:
@@ -219,4 +297,16 @@ def reason_if_broken() -> str | None:
     return None
 
 
-__all__ = ["ORT_VERSION", "SetupError", "built", "extensions_dir", "patch_sources", "reason_if_broken", "run"]
+__all__ = [
+    "ORT_VERSION",
+    "SetupError",
+    "built",
+    "cache_key",
+    "cache_root",
+    "extensions_dir",
+    "patch_sources",
+    "reason_if_broken",
+    "restore",
+    "run",
+    "save",
+]

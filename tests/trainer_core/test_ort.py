@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.support import ROOT, launch_trainer, rows, write_jsonl
-from trainer_core import backends, modeling, ort_trainer, prepare, registry, trainer
+from trainer_core import backends, modeling, ort_setup, ort_trainer, prepare, registry, trainer
 from trainer_core.events import EventStream
 from trainer_core.launch import with_stores
 from trainer_core.spec import Hyperparameters, Lora, TrainingSpec
@@ -288,3 +288,70 @@ def test_setup_ort_is_idempotent() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "sources already patched" in result.stdout and "extensions already built" in result.stdout
     assert "ORTModule trains with fallback disabled" in result.stdout
+
+
+def fake_extensions(root: Path) -> Path:
+    """The layout ort_setup reads: sources under cpu/, a build folder, the built .so files at the top."""
+    src = root / "cpu" / "torch_interop_utils"
+    src.mkdir(parents=True)
+    (src / "ctx_pool.h").write_text("// source\n")
+    (root / "build").mkdir()
+    (root / "build" / "object.h").write_text("// build output\n")
+    return root
+
+
+def test_built_extensions_are_kept_and_restored_by_what_they_were_built_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ext = fake_extensions(tmp_path / "venv-a")
+    key = ort_setup.cache_key(ext)
+    (ext / "build" / "object.h").write_text("// another build\n")
+    assert ort_setup.cache_key(ext) == key  # build output is not an input
+    (ext / "cpu" / "torch_interop_utils" / "ctx_pool.h").write_text(f"{ort_setup.MARK}\n// source\n")
+    assert ort_setup.cache_key(ext) != key  # patched sources are
+
+    for name in ("aten_op_executor", "torch_interop_utils"):
+        (ext / f"{name}.cpython-311-x86_64-linux-gnu.so").write_bytes(name.encode())
+    cache = tmp_path / "cache" / ort_setup.cache_key(ext)
+    ort_setup.save(ext, cache)
+    assert sorted(p.name for p in cache.parent.iterdir()) == [cache.name]  # no staging folder left
+    other = fake_extensions(tmp_path / "venv-b")
+    assert not ort_setup.built(other)
+    assert ort_setup.restore(other, cache) and ort_setup.built(other)
+    assert (other / "aten_op_executor.cpython-311-x86_64-linux-gnu.so").read_bytes() == b"aten_op_executor"
+
+    assert not ort_setup.restore(other, tmp_path / "cache" / "unknown-key")
+    monkeypatch.setenv("ORTUNE_BUILD_CACHE", "")
+    assert ort_setup.cache_root() is None
+    monkeypatch.setenv("ORTUNE_BUILD_CACHE", str(tmp_path / "elsewhere"))
+    assert ort_setup.cache_root() == tmp_path / "elsewhere"
+
+
+def test_restored_extensions_that_do_not_run_are_built_again_and_the_entry_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ext = fake_extensions(tmp_path / "venv")
+    monkeypatch.setenv("ORTUNE_BUILD_CACHE", str(tmp_path / "cache"))
+    cache = tmp_path / "cache" / ort_setup.cache_key(ext)
+    cache.mkdir(parents=True)
+    for name in ("aten_op_executor", "torch_interop_utils"):
+        (cache / f"{name}.so").write_bytes(b"stale")
+    builds: list[Path] = []
+
+    def build(ext_dir: Path) -> None:
+        builds.append(ext_dir)
+        for name in ("aten_op_executor", "torch_interop_utils"):
+            (ext_dir / f"{name}.so").write_bytes(b"fresh")
+
+    def smoke() -> str:  # the real smoke run imports ORT's extensions; here the bytes say which ones loaded
+        if (ext / "aten_op_executor.so").read_bytes() != b"fresh":
+            raise ort_setup.SetupError("undefined symbol")
+        return "ok"
+
+    monkeypatch.setattr(ort_setup, "extensions_dir", lambda: ext)
+    monkeypatch.setattr(ort_setup, "patch_sources", lambda ext_dir: [])
+    monkeypatch.setattr(ort_setup, "build", build)
+    monkeypatch.setattr(ort_setup, "smoke", smoke)
+    assert ort_setup.run() == "ok"
+    assert builds == [ext]
+    assert (cache / "aten_op_executor.so").read_bytes() == b"fresh"  # the stale entry is gone
