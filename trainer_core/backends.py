@@ -155,7 +155,6 @@ def measure(
     the same dropout masks as it would have. `used` is the winner; the winner's module is returned in
     `ort_module` when it is ORT (so its export is not paid twice), the loser's memory is freed, and the
     model is left with the attention the winner needs."""
-    import gc
     import statistics
 
     import torch
@@ -199,6 +198,15 @@ def measure(
         statistics.median(torch_times[1:]), statistics.median(ort_times), export_s, micro_steps
     )
     figures["rounds"] = len(ort_times)
+    _keep_winner(model, ort_module, figures)
+    figures["cost_s"] = time.perf_counter() - t0
+    return figures
+
+
+def _keep_winner(model: Any, ort_module: Any, figures: dict[str, Any]) -> None:
+    """The model left with the attention the winner needs; ORT's module handed on, or its memory freed."""
+    import gc
+
     if figures["used"] == "ort":
         figures["ort_module"] = ort_module
         _set_attention(model, "eager")
@@ -206,8 +214,6 @@ def measure(
         del ort_module
         gc.collect()
         _set_attention(model, "sdpa")
-    figures["cost_s"] = time.perf_counter() - t0
-    return figures
 
 
 def _unmeasured(torch_ms: float, expected_s: float, budget_fraction: float, cost_s: float) -> dict[str, Any]:

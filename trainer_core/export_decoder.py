@@ -111,6 +111,33 @@ def export_texts(
     model = model.float().eval().cpu()
     shape = _Shape.of(model.config)
     texts = [t for t in sample_texts if t.strip()] or ["hello world", "a second sample"]
+    names, outputs = _export_graph(model, tokenizer, shape, texts, directory / "model.onnx", max_len)
+    tokenizer.save_pretrained(directory)
+    model.config.save_pretrained(directory)
+    model.generation_config.save_pretrained(directory)
+    _genai_config(model, tokenizer, shape, directory, max_len)
+    check_texts = (texts * 4)[: min(len(texts) * 4, 7)] if len(texts) > 2 else [*texts, texts[0] * 2]
+    onnx = directory / "model.onnx"
+    diff, greedy = _check_parity(model, tokenizer, shape, onnx, texts, check_texts, max_len)
+    manifest = {
+        **manifest,
+        "format": "onnx",
+        "onnx_opset": 18,
+        "inputs": names,
+        "outputs": outputs,
+        "kv_cache": True,
+        "parity": {"max_abs_diff": diff, "tolerance": PARITY_TOLERANCE, "samples": len(check_texts)},
+        "greedy_parity": greedy,
+        "files": sorted(p.name for p in directory.iterdir()),
+    }
+    write_manifest(directory, manifest)
+    return manifest
+
+
+def _export_graph(
+    model: Any, tokenizer: Any, shape: _Shape, texts: list[str], path: Path, max_len: int
+) -> tuple[list[str], list[str]]:
+    """The graph with its cache as inputs and outputs; its input and output names."""
     ids = _inputs(tokenizer, (texts * 2)[:2], ["input_ids"], max_len)["input_ids"]
     if ids.shape[1] < 3:
         ids = _inputs(tokenizer, [t + " x y" for t in (texts * 2)[:2]], ["input_ids"], max_len)["input_ids"]
@@ -125,7 +152,7 @@ def export_texts(
     outputs = ["logits", *shape.present_names()]
     save_onnx(
         _WithCache(model),
-        directory / "model.onnx",
+        path,
         args=(ids, mask, positions, past),
         input_names=names,
         output_names=outputs,
@@ -136,15 +163,22 @@ def export_texts(
             tuple({0: batch, 2: past_seq} for _ in past),
         ),
     )
-    tokenizer.save_pretrained(directory)
-    model.config.save_pretrained(directory)
-    model.generation_config.save_pretrained(directory)
-    _genai_config(model, tokenizer, shape, directory, max_len)
+    return names, outputs
 
+
+def _check_parity(
+    model: Any,
+    tokenizer: Any,
+    shape: _Shape,
+    path: Path,
+    texts: list[str],
+    check_texts: list[str],
+    max_len: int,
+) -> tuple[float, dict[str, Any]]:
+    """Prefill logits within tolerance and the same greedy tokens, or an ExportError saying where not."""
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(directory / "model.onnx"), providers=["CPUExecutionProvider"])
-    check_texts = (texts * 4)[: min(len(texts) * 4, 7)] if len(texts) > 2 else [*texts, texts[0] * 2]
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     diff = _prefill_parity(model, tokenizer, session, shape, check_texts, max_len)
     if not np.isfinite(diff) or diff > PARITY_TOLERANCE:
         raise ExportError(f"ONNX logits differ from PyTorch by {diff:.3g} (tolerance {PARITY_TOLERANCE})")
@@ -156,19 +190,7 @@ def export_texts(
             f"sample prompts (first: prompt {first['prompt']}, new token {first['step']}: token "
             f"{first['onnx']} for {first['pytorch']})"
         )
-    manifest = {
-        **manifest,
-        "format": "onnx",
-        "onnx_opset": 18,
-        "inputs": names,
-        "outputs": outputs,
-        "kv_cache": True,
-        "parity": {"max_abs_diff": diff, "tolerance": PARITY_TOLERANCE, "samples": len(check_texts)},
-        "greedy_parity": greedy,
-        "files": sorted(p.name for p in directory.iterdir()),
-    }
-    write_manifest(directory, manifest)
-    return manifest
+    return diff, greedy
 
 
 def _positions(mask: np.ndarray) -> np.ndarray:

@@ -76,51 +76,73 @@ def members(
     `wanted` declines comes with b"" (its bytes are not read: a pass that needs only names and metadata does
     not decompress the images). Folders are skipped; links, devices, unsafe names and a limit passed raise
     ArchiveError naming them."""
-    count = total = 0
+    account = _Account(limits, compressed_size)
+    if fmt == "zip":
+        yield from _zip_members(path, limits, account, wanted)
+    else:
+        yield from _tar_members(path, account, wanted)
 
-    def account(name: str, size: int) -> None:
-        nonlocal count, total
-        count += 1
-        total += size
-        if count > limits.members:
+
+@dataclass
+class _Account:
+    """Members and bytes read so far, against the archive's limits."""
+
+    limits: Limits
+    compressed_size: int
+    count: int = 0
+    total: int = 0
+
+    def __call__(self, name: str, size: int) -> None:
+        self.count += 1
+        self.total += size
+        limits = self.limits
+        if self.count > limits.members:
             raise ArchiveError(
                 f"member {name!r}: more than {limits.members:,} members (limit max_archive_members)"
             )
-        if total > limits.total_bytes:
+        if self.total > limits.total_bytes:
             raise ArchiveError(
                 f"member {name!r}: more than {limits.total_bytes:,} bytes uncompressed "
                 "(limit max_archive_bytes)"
             )
-        if compressed_size and total > 1_000_000 and total / compressed_size > limits.ratio:
+        ratio = self.total / self.compressed_size if self.compressed_size else 0.0
+        if self.total > 1_000_000 and ratio > limits.ratio:
             raise ArchiveError(
                 f"member {name!r}: the archive expands over {limits.ratio:g} times its size "
                 "(limit max_compression_ratio)"
             )
 
-    if fmt == "zip":
-        with zipfile.ZipFile(path) as zf:
-            for info in zf.infolist():
-                name = _safe_name(info.filename)
-                if info.is_dir():
-                    continue
-                kind = stat.S_IFMT(info.external_attr >> 16)  # 0: no Unix type recorded (a plain file)
-                if kind not in (0, stat.S_IFREG):
-                    raise ArchiveError(f"member {name!r}: links and special files are refused")
-                if info.file_size > 1_000_000 and info.file_size / max(1, info.compress_size) > limits.ratio:
-                    raise ArchiveError(
-                        f"member {name!r}: expands {info.file_size / max(1, info.compress_size):,.0f} times "
-                        f"(limit max_compression_ratio {limits.ratio:g})"
-                    )
-                account(name, info.file_size)
-                if wanted is not None and not wanted(name):
-                    yield name, b""
-                    continue
-                with zf.open(info) as fh:  # never more than the header says: a lying header is cut off
-                    data = fh.read(info.file_size + 1)
-                if len(data) != info.file_size:
-                    raise ArchiveError(f"member {name!r}: its size does not match the archive's directory")
-                yield name, data
-        return
+
+def _zip_members(
+    path: Any, limits: Limits, account: _Account, wanted: Callable[[str], bool] | None
+) -> Iterator[tuple[str, bytes]]:
+    with zipfile.ZipFile(path) as zf:
+        for info in zf.infolist():
+            name = _safe_name(info.filename)
+            if info.is_dir():
+                continue
+            kind = stat.S_IFMT(info.external_attr >> 16)  # 0: no Unix type recorded (a plain file)
+            if kind not in (0, stat.S_IFREG):
+                raise ArchiveError(f"member {name!r}: links and special files are refused")
+            if info.file_size > 1_000_000 and info.file_size / max(1, info.compress_size) > limits.ratio:
+                raise ArchiveError(
+                    f"member {name!r}: expands {info.file_size / max(1, info.compress_size):,.0f} times "
+                    f"(limit max_compression_ratio {limits.ratio:g})"
+                )
+            account(name, info.file_size)
+            if wanted is not None and not wanted(name):
+                yield name, b""
+                continue
+            with zf.open(info) as fh:  # never more than the header says: a lying header is cut off
+                data = fh.read(info.file_size + 1)
+            if len(data) != info.file_size:
+                raise ArchiveError(f"member {name!r}: its size does not match the archive's directory")
+            yield name, data
+
+
+def _tar_members(
+    path: Any, account: _Account, wanted: Callable[[str], bool] | None
+) -> Iterator[tuple[str, bytes]]:
     try:
         with tarfile.open(path, mode="r|*") as tar:  # a stream: members one after the other, never seeked
             for member in tar:

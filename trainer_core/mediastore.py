@@ -210,14 +210,8 @@ def build(
     index = {str(label): i for i, label in enumerate(spec.labels)}
     store.mkdir(parents=True, exist_ok=True)
     image = layout.media == "image"
-    info: dict[str, Any] = {"media": layout.media}
-    if not image:
-        info["rate"] = int(processor.sampling_rate)
-    seconds = MAX_CLIP_SECONDS
-    if transcribes(spec.task):  # a speech model reads a window of fixed length; the clip is cut to it
-        info["max_samples"] = processor.max_samples
-        seconds = processor.max_samples / info["rate"]
-        start = model_start(spec, processor)
+    info, seconds = _media_info(layout.media, processor, spec)
+    start = model_start(spec, processor) if transcribes(spec.task) else 0
     offsets, targets, samples = [0], [], list[str]()
     label_offsets, labels = [0], list[int]()
     with (store / ("values.u8" if image else "values.f32")).open("wb") as out:
@@ -241,15 +235,40 @@ def build(
                 samples += [name][: 8 - len(samples)]
             if len(targets) % PROGRESS_EVERY == 0:
                 progress(len(targets))
+    return _finish(store, key, spec, info, (offsets, targets, label_offsets, labels), samples, has_tokenizer)
+
+
+def _media_info(media_kind: str | None, processor: Any, spec: TrainingSpec) -> tuple[dict[str, Any], float]:
+    """media.json's fields, and the longest clip kept in seconds."""
+    info: dict[str, Any] = {"media": media_kind}
+    if media_kind != "image":
+        info["rate"] = int(processor.sampling_rate)
+    seconds = MAX_CLIP_SECONDS
+    if transcribes(spec.task):  # a speech model reads a window of fixed length; the clip is cut to it
+        info["max_samples"] = processor.max_samples
+        seconds = processor.max_samples / info["rate"]
+    return info, seconds
+
+
+def _finish(
+    store: Path,
+    key: str,
+    spec: TrainingSpec,
+    info: dict[str, Any],
+    columns: tuple[list[int], list[int], list[int], list[int]],
+    samples: list[str],
+    has_tokenizer: bool,
+) -> Meta:
+    """The columns and media.json written, then meta.json last."""
+    offsets, targets, label_offsets, labels = columns
     np.asarray(offsets, np.int64).tofile(store / "offsets.i64")
     np.asarray(targets, np.int64).tofile(store / "targets.i64")
     if transcribes(spec.task):
         np.asarray(labels, np.uint32).tofile(store / "labels.u32")
         np.asarray(label_offsets, np.int64).tofile(store / "label_offsets.i64")
     (store / "media.json").write_text(json.dumps(info))
-    rows = len(targets)
     longest = int(np.diff(offsets).max(initial=0))
-    meta = Meta(key, spec.task, rows, len(labels), longest, samples, has_tokenizer)
+    meta = Meta(key, spec.task, len(targets), len(labels), longest, samples, has_tokenizer)
     (store / "meta.json").write_text(json.dumps(meta.__dict__))
     return meta
 

@@ -127,23 +127,25 @@ def _build(
     total: int | None,
     has_tokenizer: bool,
 ) -> None:
-    if mediastore.is_media(spec.task):
-        _build_media(
-            path,
-            fmt,
-            store,
-            key,
-            tokenizer,
-            spec,
-            events,
-            what=what,
-            total=total,
-            has_tokenizer=has_tokenizer,
-        )
-        return
+    build = _build_media if mediastore.is_media(spec.task) else _build_tokens
+    build(path, fmt, store, key, tokenizer, spec, events, what=what, total=total, has_tokenizer=has_tokenizer)
+
+
+def _build_tokens(
+    path: Path,
+    fmt: str,
+    store: Path,
+    key: str,
+    tokenizer: Any,
+    spec: TrainingSpec,
+    events: EventStream,
+    *,
+    what: str,
+    total: int | None,
+    has_tokenizer: bool,
+) -> None:
     writer = StoreWriter(store, key, spec.task)
     unit = spec.method_info.rows_per_example  # store rows per file row
-    rows_word = spec.method_info.example
     t0 = last = time.monotonic()
     cpu0 = time.process_time()
     with path.open(encoding="utf-8", newline="") as fh:
@@ -161,7 +163,21 @@ def _build(
                 last = now
                 _progress(events, what, writer.rows // unit, total, writer.rows / unit / (now - t0))
     meta = writer.close(has_tokenizer=has_tokenizer)
-    took = time.monotonic() - t0
+    took, cpu_took = time.monotonic() - t0, time.process_time() - cpu0
+    _report_tokenized(meta, spec, tokenizer, events, what, key, took, cpu_took)
+
+
+def _report_tokenized(
+    meta: datastore.Meta,
+    spec: TrainingSpec,
+    tokenizer: Any,
+    events: EventStream,
+    what: str,
+    key: str,
+    took: float,
+    cpu_took: float,
+) -> None:
+    unit, rows_word = spec.method_info.rows_per_example, spec.method_info.example
     events.message(
         f"Tokenized {meta.rows // unit:,} {what} {rows_word} ({meta.tokens:,} tokens) in {took:.1f}s "
         f"({meta.rows / unit / max(took, 1e-9):,.0f} {rows_word}/s)",
@@ -169,7 +185,7 @@ def _build(
         rows=meta.rows,
         tokens=meta.tokens,
         seconds=round(took, 3),
-        cpu_seconds=round(time.process_time() - cpu0, 3),  # over `seconds`: how many cores it kept busy
+        cpu_seconds=round(cpu_took, 3),  # over `seconds`: how many cores it kept busy
         store=key,
     )
     if meta.dropped and meta.rows and spec.hyperparameters.truncated_rows == "drop":
