@@ -1,5 +1,5 @@
-"""OpenAI's `method` of a job: its request shape (one field per method of trainer_core/methods.py) and the
-stored spec's method shown back in that shape."""
+"""OpenAI's `method` of a job: its request shape (one field per method of the registry, trainer_core.methods)
+and the stored spec's method shown back in that shape."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class DpoMethod(BaseModel):
 
 class Method(BaseModel):
     """OpenAI's `method`: its `type` and, under a field of the same name, that method's options. One field
-    per method of trainer_core/methods.py (a test holds the two together)."""
+    per method of trainer_core/methods/__init__.py (a test holds the two together)."""
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["supervised", "dpo"] = "supervised"

@@ -1,8 +1,8 @@
 """The demo's job trained in fp32 and in `precision: auto` (bf16 mixed precision where the CPU has it), side
 by side: validation accuracy after training (target: auto within 0.01 of fp32), final loss and wall time.
 
-Each run is `python -m trainer_core.launch` on the demo's own data and hyperparameters (ortune/cli/demo.py's
-JOB), as the worker would start it.
+Each run is `python -m trainer_core.engine.launch` on the demo's own data and hyperparameters
+(ortune/cli/demo.py JOB), as the worker would start it.
 
     python -m bench.demo_precision [--out bench/results]
 """
@@ -19,7 +19,7 @@ from typing import Any
 from bench.common import verdict, write
 from ortune.cli.demo import DATA, JOB
 from tests.support import launch_trainer
-from trainer_core import registry
+from trainer_core.models import registry
 from trainer_core.spec import Hyperparameters, TrainingSpec
 
 

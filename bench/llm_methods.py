@@ -4,7 +4,7 @@ the supervised model. Per run: which engine ran and why, the held-out figures be
 supervised, the model's own preference accuracy and TRL's reward accuracy for DPO), throughput, and the
 ONNX export's greedy-generation parity with PyTorch.
 
-Each run is `python -m trainer_core.launch` on a spec, as the worker would start it.
+Each run is `python -m trainer_core.engine.launch` on a spec, as the worker would start it.
 
     python -m bench.llm_methods [--out bench/results]
 """
@@ -19,7 +19,8 @@ from typing import Any
 
 from bench.common import write
 from tests.support import REFUSALS, launch_trainer, write_jsonl
-from trainer_core import chat, modeling, prepare
+from trainer_core.data import chat, prepare
+from trainer_core.models import modeling
 from trainer_core.spec import Dpo, Hyperparameters, Lora, Supervised, TrainingSpec
 
 NUMBERS = range(12)

@@ -3,7 +3,7 @@ accuracy (or word error rate) before and after training, the engine each ran on 
 the ONNX export's check, for `auto` (bf16 under PyTorch on this CPU), PyTorch fp32 and ORT fp32.
 
 Data: ortune.media_demo's shapes (240 training, 60 held out), tones (240/60) and melodies (480/48), as the
-e2e tests use them; each run goes through the trainer as a job does (`python -m trainer_core.launch`),
+e2e tests use them; each run goes through the trainer as a job does (`python -m trainer_core.engine.launch`),
 stores, export and all.
 
     python -m bench.media_tasks [--out bench/results]

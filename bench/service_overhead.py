@@ -1,7 +1,8 @@
 """What the service costs on top of training: a job through API -> Celery -> worker vs the same spec by hand.
 
 For each configuration the job is first run through the service; the spec.json the worker staged is then run
-by hand with `python -m trainer_core.launch`, so both runs train exactly the same thing. Rounds alternate
+by hand with `python -m trainer_core.engine.launch`, so both runs train exactly the same thing. Rounds
+alternate
 (service, hand, service, hand) and medians are reported. Figures:
 
 - end to end: hand wall time / service wall time (submit until the API says succeeded); target >= 0.97x;
@@ -58,7 +59,7 @@ def by_hand(spec_path: Path, workdir: Path) -> dict[str, float]:
     (workdir / "spec.json").write_text(json.dumps(spec))
     t0 = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer_core.launch", str(workdir / "spec.json")],
+        [sys.executable, "-m", "trainer_core.engine.launch", str(workdir / "spec.json")],
         capture_output=True,
         text=True,
         check=True,

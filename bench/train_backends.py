@@ -7,7 +7,7 @@ Rows, per model:
 - compile bf16: and torch.compile (its compile time is reported apart: `setup_s`);
 - ORT fp32 and ORT bf16: ORTModule (eager attention, which its gradient builder needs), or why it cannot run;
 - auto: what a default job picks here (precision auto, backend auto, optim auto) through the trainer's own
-  code (trainer_core.precision, trainer_core.backends.measure), timed like the others; `auto+measure` spreads
+  code (engine.precision, engine.backends.measure), timed like the others; `auto+measure` spreads
   the measuring cost over a job of --job-steps steps.
 
 Data: the demo's sentences joined into texts of 1 to 12 sentences, tokenized by the model's own tokenizer,
@@ -37,7 +37,10 @@ from typing import Any
 
 import torch
 
-from trainer_core import backends, data, modeling, precision, registry, tasks
+from trainer_core import tasks
+from trainer_core.data.batches import BucketSampler, Collator
+from trainer_core.engine import backends, precision
+from trainer_core.models import modeling, registry
 from trainer_core.spec import Hyperparameters, TrainingSpec
 
 DEMO = Path(__file__).resolve().parents[1] / "ortune" / "demo_data" / "sentiment_train.jsonl"
@@ -74,7 +77,7 @@ def build_media(name: str, device: str) -> tuple[torch.nn.Module, Any, str]:
     )
 
     from ortune import media_demo
-    from trainer_core import speech
+    from trainer_core.tasks import speech
 
     torch.manual_seed(0)
     width = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 1024}
@@ -105,7 +108,8 @@ def media_batches(
     name: str, processor: Any, n: int, batch: int, device: str
 ) -> list[dict[str, torch.Tensor]]:
     from ortune import media_demo
-    from trainer_core import mediastore, speech
+    from trainer_core.data import mediastore
+    from trainer_core.tasks import speech
 
     task = MEDIA[name]
     make = {
@@ -130,7 +134,7 @@ def media_batches(
         else:
             items.append({"values": values, "labels": labels.index(target)})
     collate = mediastore.MediaCollator(processor, info)
-    order = list(data.BucketSampler([len(i["values"]) for i in items], batch, seed=1))
+    order = list(BucketSampler([len(i["values"]) for i in items], batch, seed=1))
     out = [collate([items[i] for i in order[k : k + batch]]) for k in range(0, n * batch, batch)]
     return [{k: v.to(device) for k, v in b.items()} for b in out]
 
@@ -216,8 +220,8 @@ def batches(
     for text, label in texts(n * batch, seed=1):
         ids = tok(text, truncation=True, max_length=max_len)["input_ids"]
         items.append({"input_ids": ids, "labels": label if task == "sequence-classification" else ids})
-    order = list(data.BucketSampler([len(i["input_ids"]) for i in items], batch, seed=1))
-    collate = data.Collator(tok.pad_token_id, classifies=tasks.get(task).classifies)
+    order = list(BucketSampler([len(i["input_ids"]) for i in items], batch, seed=1))
+    collate = Collator(tok.pad_token_id, classifies=tasks.get(task).classifies)
     out = [collate([items[i] for i in order[k : k + batch]]) for k in range(0, n * batch, batch)]
     return [{k: v.to(device) for k, v in b.items()} for b in out]
 
@@ -264,7 +268,7 @@ class Row:
             problem = backends.ort_problem(_spec("ort", "fp32"), cuda=device == "cuda")
             if problem:
                 raise RuntimeError(problem)
-            from trainer_core.ort_trainer import wrap
+            from trainer_core.engine.ort_trainer import wrap
 
             model.set_attn_implementation("eager")
             module = wrap(model)

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from ortune.storage import ObjectStore, fetch_archive
-from trainer_core import chat, tasks
+from trainer_core import tasks
+from trainer_core.data import chat
 
 MANIFEST = "ortune_manifest.json"
 

@@ -241,7 +241,7 @@ def trainer_attempts() -> dict[str, set[int]]:
     found: dict[str, set[int]] = {}
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if "trainer_core.launch" not in cmdline:
+        if "trainer_core.engine.launch" not in cmdline:
             continue
         if m := re.search(r"/(ftjob-[\w-]+)/attempt-(\d+)/", cmdline):
             found.setdefault(m.group(1), set()).add(int(m.group(2)))

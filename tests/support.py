@@ -139,11 +139,11 @@ def stored_job(session: Session, **fields: Any) -> Job:
 def launch_trainer(
     spec: TrainingSpec, path: Path, env: dict[str, str] | None = None
 ) -> tuple[int, list[dict[str, Any]], str]:
-    """Write `spec` to `path` and run `python -m trainer_core.launch` on it by hand: the exit code, the events
-    (every stdout line is one) and the end of stderr."""
+    """Write `spec` to `path` and run `python -m trainer_core.engine.launch` on it by hand: the exit code,
+    the events (every stdout line is one) and the end of stderr."""
     spec.dump(path)
     result = subprocess.run(
-        [sys.executable, "-m", "trainer_core.launch", str(path)],
+        [sys.executable, "-m", "trainer_core.engine.launch", str(path)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -14,7 +14,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict
 
-# `python -m trainer_core.launch spec.json` exits with:
+# `python -m trainer_core.engine.launch spec.json` exits with:
 EXIT_OK = 0  # trained, saved and exported
 EXIT_FAILED = 1  # anything else went wrong; an `error` event says what where it could
 EXIT_SPEC_ERROR = 2  # the spec cannot run here (bad spec, backend unavailable, model will not load)

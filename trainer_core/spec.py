@@ -104,7 +104,7 @@ class Dpo(Strict):
     beta: Annotated[float, Field(gt=0, le=10)] = 0.1
 
 
-# One entry per row of trainer_core/methods.py, told apart by `type`.
+# One entry per row of trainer_core/methods/__init__.py, told apart by `type`.
 Method = Annotated[Supervised | Dpo, Field(discriminator="type")]
 
 
@@ -153,7 +153,7 @@ class TrainingSpec(Strict):
     train_format: FileFormat = "jsonl"
     validation_file: str | None = None
     validation_format: FileFormat = "jsonl"
-    # Where the files' tokenized stores are (or are to be built): trainer_core/datastore.py.
+    # Where the files' tokenized stores are (or are to be built): trainer_core/data/datastore.py.
     train_store: str | None = None
     validation_store: str | None = None
     train_rows: int | None = Field(default=None, description="Rows in the training file, for progress.")

@@ -8,7 +8,7 @@ from pathlib import Path
 from ortune.db.models import Job
 from ortune.settings import Settings
 from ortune.storage import ArchiveUnusable, ObjectStore, fetch_archive
-from trainer_core import registry
+from trainer_core.models import registry
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt")
 

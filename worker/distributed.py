@@ -77,7 +77,7 @@ def _torchrun(settings: Settings, task: dict[str, Any], spec_path: Path) -> list
         f"--master_port={task['master_port']}",
         "--max_restarts=0",  # a failed rank fails the attempt; the sweep decides about another
         "-m",
-        "trainer_core.launch",
+        "trainer_core.engine.launch",
         str(spec_path),
     ]
 
@@ -208,12 +208,12 @@ class _Ended(Exception):
 
 def _stop_ranks(proc: subprocess.Popen[str]) -> None:
     """A pause or a drain: SIGTERM to this node's ranks, not to torchrun (which would tear its workers down
-    and fail the other nodes). The ranks vote each step (trainer_core.ranks.any_rank), so every rank on every
-    node saves the same step, and each exits 0 for its torchrun; rank 0 reports the stop."""
+    and fail the other nodes). The ranks vote each step (trainer_core.engine.ranks.any_rank), so every rank
+    on every node saves the same step, and each exits 0 for its torchrun; rank 0 reports the stop."""
     with contextlib.suppress(psutil.NoSuchProcess):
         for child in psutil.Process(proc.pid).children():
             with contextlib.suppress(psutil.NoSuchProcess):
-                if "trainer_core.launch" in child.cmdline():
+                if "trainer_core.engine.launch" in child.cmdline():
                     child.send_signal(signal.SIGTERM)
 
 

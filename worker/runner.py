@@ -18,7 +18,7 @@ from ortune.db.repositories import EventRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from ortune.storage import ObjectStore, StorageUnavailable
-from trainer_core import datastore
+from trainer_core.data import datastore
 from worker import attempt, stores
 from worker.attempt import Heartbeat, Outcome
 from worker.staging import Staged, attempt_dir, stage, store_of
@@ -74,7 +74,7 @@ def run(settings: Settings, job_id: str) -> str:
 def tokenize(
     settings: Settings, store: ObjectStore, job: Job, staged: Staged, env: dict[str, str] | None = None
 ) -> Outcome:
-    """Build the stores nobody has made yet with `trainer_core.prepare` (its progress relayed) and keep them
+    """Build the stores nobody has made yet with `trainer_core.data.prepare` (progress relayed) and keep them
     in object storage for every later attempt, trial, rank and job. `running` when training can go on."""
     if not staged.to_build or staged.in_trainer:
         return Outcome(JobStatus.running)

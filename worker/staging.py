@@ -15,7 +15,7 @@ from ortune.db.repositories import CheckpointRepository, EventRepository, JobRep
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from ortune.storage import ObjectStore, open_store, sha256_file
-from trainer_core import datastore, media, rows
+from trainer_core.data import datastore, media, rows
 from trainer_core.spec import TrainingSpec
 from worker import base_models
 from worker.stores import Store, fetch, stores_of, wait_for
@@ -53,7 +53,7 @@ class Staged:
     to_build: list[Store]  # stores nobody has made yet
     # Small files of single-process jobs are tokenized by the trainer itself as it starts: a process of its
     # own would cost more to start (importing transformers) than the tokenizing. Larger ones, and every
-    # store a multi-process job's other nodes wait for, are built first by `trainer_core.prepare`.
+    # store a multi-process job's other nodes wait for, are built first by `trainer_core.data.prepare`.
     in_trainer: bool = False
 
 

@@ -1,5 +1,5 @@
-"""The tokenized stores of an attempt (trainer_core/datastore.py): found in this node's cache, fetched from
-object storage where an earlier attempt, trial, rank or job left them, or built by `trainer_core.prepare`
+"""The tokenized stores of an attempt (trainer_core.data.datastore): found in this node's cache, fetched from
+object storage where an earlier attempt, trial, rank or job left them, or built by `trainer_core.data.prepare`
 and then kept in both.
 
 A store lives in object storage beside its file (`files/<file id>/tokenized/<key>.tar`) and on each node in
@@ -22,7 +22,8 @@ from typing import Any
 from ortune.db.models import File, Job
 from ortune.settings import Settings
 from ortune.storage import ObjectNotFound, ObjectStore, pack_dir
-from trainer_core import datastore, registry
+from trainer_core.data import datastore
+from trainer_core.models import registry
 
 log = logging.getLogger(__name__)
 USED = ".last-used"  # touched on every use: the cache's recency

@@ -73,7 +73,7 @@ def _mib(n: int) -> str:
 
 class TrainerProcess:
     """One attempt's subprocess and the handling of what it reports: the trainer, or before it
-    (`prepare=True`) `trainer_core.prepare` tokenizing the job's files."""
+    (`prepare=True`) `trainer_core.data.prepare` tokenizing the job's files."""
 
     def __init__(
         self,
@@ -91,7 +91,7 @@ class TrainerProcess:
         self.settings, self.store, self.job, self.spec = settings, store, job, spec
         self.workdir = Path(spec.output_dir).parent
         self.prepare = prepare
-        entry = "trainer_core.prepare" if prepare else "trainer_core.launch"
+        entry = "trainer_core.data.prepare" if prepare else "trainer_core.engine.launch"
         self.command = command or [settings.trainer_python, "-m", entry, str(self.workdir / "spec.json")]
         self.phase = "tokenizing" if prepare else "starting"
         self.peak_memory = 0

@@ -8,7 +8,7 @@ from api.errors import ERRORS, APIError, NotFound
 from api.schemas import ModelDeleted, ModelObject, Page
 from ortune.db.models import JobStatus
 from ortune.db.repositories import ArtifactRepository, EventRepository, JobRepository
-from trainer_core import registry
+from trainer_core.models import registry
 
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=ERRORS)
 

@@ -15,7 +15,8 @@ from ortune.db.models import File, FileStatus
 from ortune.db.repositories import FileRepository
 from ortune.settings import Settings
 from ortune.storage import ObjectStore
-from trainer_core import media, rows, tasks
+from trainer_core import tasks
+from trainer_core.data import media, rows
 
 PURPOSES = ("fine-tune",)
 

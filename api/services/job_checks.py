@@ -12,7 +12,8 @@ from api.errors import APIError, NotFound
 from api.schemas import JobCreate
 from ortune.db.models import File, FileStatus, Job
 from ortune.db.repositories import FileRepository
-from trainer_core import methods, rows, tasks
+from trainer_core import methods, tasks
+from trainer_core.data import rows
 from trainer_core.spec import Method, Supervised
 
 

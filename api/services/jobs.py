@@ -29,7 +29,8 @@ from ortune.jobspec import BaseModelRef, JobSpec
 from ortune.queue import enqueue_for, on_commit
 from ortune.search_space import HyperparameterSearch
 from ortune.settings import Settings
-from trainer_core import registry, tasks
+from trainer_core import tasks
+from trainer_core.models import registry
 from trainer_core.spec import Distributed
 
 

@@ -92,7 +92,7 @@ def setup_ort(
     install: Annotated[bool, typer.Option(help="pip-install onnxruntime-training if it is missing")] = False,
 ) -> None:
     """Make ONNX Runtime training work here: patch and build its torch extensions, then prove it trains."""
-    from trainer_core import ort_setup
+    from trainer_core.engine import ort_setup
 
     try:
         ort_setup.run(install=install)

@@ -15,7 +15,7 @@ from ortune.cli import embedded
 from ortune.cli.client import Client
 from ortune.settings import Settings
 from tests.support import DEMO, TERMINAL, events, preference_rows, rows, wait_for, write_jsonl
-from trainer_core import precision
+from trainer_core.engine import precision
 
 pytestmark = pytest.mark.e2e
 

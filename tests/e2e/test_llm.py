@@ -33,7 +33,8 @@ def chat_rows(held_out: bool = False) -> list[dict[str, object]]:
 
 def hub(root: Path, shape: str) -> Path:
     """A Hugging Face cache holding acme/tiny-<shape>, its tokenizer with ChatML as its chat template."""
-    from trainer_core import chat, modeling
+    from trainer_core.data import chat
+    from trainer_core.models import modeling
 
     texts = [prepare_text(r) for r in chat_rows() + preference_rows(12)]
     tokenizer = modeling.train_tokenizer("tiny-gpt2", texts * 10)

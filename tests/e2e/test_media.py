@@ -125,7 +125,7 @@ def test_a_speech_recognizer_learns_and_both_artifacts_write_the_same_transcript
     import torch
     from transformers import AutoFeatureExtractor, AutoModelForSpeechSeq2Seq, AutoTokenizer
 
-    from trainer_core import speech
+    from trainer_core.tasks import speech
 
     def archive(name: str, n: int, seed: int) -> Path:
         rows = media_demo.melody_rows(n, seed)

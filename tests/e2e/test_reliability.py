@@ -52,7 +52,7 @@ def trainers_of(job_id: str) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if "trainer_core.launch" in cmdline and job_id in cmdline:
+        if "trainer_core.engine.launch" in cmdline and job_id in cmdline:
             found.append(proc)
     return found
 

@@ -40,7 +40,7 @@ def pytorch_reply(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer_core import chat
+    from trainer_core.data import chat
 
     service.download(job_id, "pytorch", tmp_path / "pt.tar")
     with tarfile.open(tmp_path / "pt.tar") as tar:

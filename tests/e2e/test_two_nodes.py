@@ -170,7 +170,7 @@ def test_killing_one_rank_fails_the_attempt_with_its_error(settings: Settings, t
         victims = [
             p
             for p in psutil.process_iter(["cmdline"])
-            if "trainer_core.launch" in " ".join(p.info["cmdline"] or [])
+            if "trainer_core.engine.launch" in " ".join(p.info["cmdline"] or [])
             and f"{job['id']}/attempt-1/node-1/" in " ".join(p.info["cmdline"] or [])
             and "torch.distributed.run" not in " ".join(p.info["cmdline"] or [])
         ]

@@ -19,7 +19,7 @@ from api import main as api_main
 from ortune.cli.app import app as cli
 from ortune.settings import PLACEHOLDERS, Settings
 from tests.support import ROOT
-from trainer_core.ort_setup import ORT_VERSION
+from trainer_core.engine.ort_setup import ORT_VERSION
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from tests.support import ROOT
-from trainer_core.ort_setup import ORT_VERSION
+from trainer_core.engine.ort_setup import ORT_VERSION
 
 GPU = (ROOT / "docker" / "worker-gpu.Dockerfile").read_text()
 # onnxruntime-training 1.19.2's CUDA provider (build_and_package_info.cuda_version = '11.8') links these;

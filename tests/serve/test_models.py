@@ -14,7 +14,9 @@ import pytest
 from ortune.storage import open_store, sha256_file
 from serve.models import MANIFEST, Decoder, ModelCache, Ref, Sampling, TooLarge, _load
 from tests.support import wait_until
-from trainer_core import export, export_decoder, modeling
+from trainer_core import export
+from trainer_core.export import decoder as export_decoder
+from trainer_core.models import modeling
 
 TEXTS = [f"the {w} jumps over the lazy {v} again" for w in "abcd" for v in "wxyz"]
 

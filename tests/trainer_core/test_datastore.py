@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from tests.support import launch_trainer, rows, write_jsonl
-from trainer_core import chat, datastore, prepare
-from trainer_core.data import BucketSampler
-from trainer_core.datastore import IGNORE
+from trainer_core.data import chat, datastore, prepare
+from trainer_core.data.batches import BucketSampler
+from trainer_core.data.datastore import IGNORE
+from trainer_core.engine.launch import with_stores
 from trainer_core.events import EventStream
-from trainer_core.launch import with_stores
 from trainer_core.spec import Hyperparameters, TrainingSpec
 
 CHAT = [

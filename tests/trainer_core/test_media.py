@@ -16,8 +16,8 @@ import pytest
 
 from ortune import media_demo
 from tests.support import ROOT
-from trainer_core import media
-from trainer_core.rows import Report
+from trainer_core.data import media
+from trainer_core.data.rows import Report
 
 LIMITS = media.Limits(members=1000, total_bytes=50 * 2**20, ratio=50.0)
 
@@ -204,9 +204,11 @@ def media_losses(kind: str, backend: str, tmp: Path) -> tuple[list[float], Any]:
     is the engine."""
     import torch
 
-    from trainer_core import backends, modeling, prepare, registry, trainer
+    from trainer_core.data import prepare
+    from trainer_core.engine import backends, trainer
+    from trainer_core.engine.launch import with_stores
     from trainer_core.events import EventStream
-    from trainer_core.launch import with_stores
+    from trainer_core.models import modeling, registry
     from trainer_core.spec import Hyperparameters
 
     model = MODELS[kind]
@@ -240,7 +242,7 @@ def media_losses(kind: str, backend: str, tmp: Path) -> tuple[list[float], Any]:
 def media_parity_probe(tmp: str, kind: str) -> dict[str, Any]:
     import os
 
-    from trainer_core import ort_trainer
+    from trainer_core.engine import ort_trainer
 
     torch_losses, _ = media_losses(kind, "torch", Path(tmp) / "torch")
     ort_losses, hf = media_losses(kind, "ort", Path(tmp) / "ort")
@@ -289,9 +291,11 @@ def test_an_onnx_transcript_that_differs_fails_the_export_naming_the_clip(
 ) -> None:
     """The greedy check compares ONNX Runtime's transcripts with PyTorch's token for token; one divergence
     fails the export with the clip and both transcripts (and an intact export passes it)."""
-    from trainer_core import export_speech, mediastore, speech
-    from trainer_core.datastore import Meta
+    from trainer_core.data import mediastore
+    from trainer_core.data.datastore import Meta
     from trainer_core.export import ExportError, HeldOut
+    from trainer_core.export import speech as export_speech
+    from trainer_core.tasks import speech
 
     archive = media_archive("speech", tmp_path / "s.zip", 6, 1)
     spec = media_spec("speech", archive, tmp_path / "out")
@@ -349,7 +353,9 @@ def test_a_local_model_directory_trains_through_the_same_code(tmp_path: Path, ki
     registry's local path: the head gives way to the job's labels, the processor and decoder start come from
     the directory, and both artifacts carry them."""
     from tests.support import launch_trainer
-    from trainer_core import mediastore, registry, speech
+    from trainer_core.data import mediastore
+    from trainer_core.models import registry
+    from trainer_core.tasks import speech
 
     home = tmp_path / "models" / "acme" / f"{kind}-base"
     if kind == "image":

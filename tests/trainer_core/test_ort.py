@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from tests.support import ROOT, launch_trainer, rows, write_jsonl
-from trainer_core import backends, modeling, ort_setup, ort_trainer, prepare, registry, trainer
+from trainer_core.data import prepare
+from trainer_core.engine import backends, ort_setup, ort_trainer, trainer
+from trainer_core.engine.launch import with_stores
 from trainer_core.events import EventStream
-from trainer_core.launch import with_stores
+from trainer_core.models import modeling, registry
 from trainer_core.spec import Hyperparameters, Lora, TrainingSpec
 
 BROKEN_ORT = """

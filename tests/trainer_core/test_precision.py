@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.support import launch_trainer, rows, write_jsonl
-from trainer_core import modeling, precision, registry
+from trainer_core.engine import precision
+from trainer_core.models import modeling, registry
 from trainer_core.spec import Hyperparameters, TrainingSpec
 
 

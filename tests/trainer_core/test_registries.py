@@ -14,10 +14,12 @@ from api import method_schemas
 from ortune.jobspec import JobSpec
 from serve import models as served
 from tests.support import ROOT
-from trainer_core import methods, registry, rows, spec, tasks
+from trainer_core import methods, spec, tasks
+from trainer_core.data import rows
+from trainer_core.models import registry
 
 PRODUCT = ("api", "ortune", "serve", "trainer_core", "worker")
-REGISTRIES = {"trainer_core/tasks.py", "trainer_core/methods.py"}
+REGISTRIES = {"trainer_core/tasks/__init__.py", "trainer_core/methods/__init__.py"}
 # Where a name may still be written: the Literal types that mirror the tables (held to them below) and the
 # loader of version-1 specs, which had `dpo` and `packing` fields before methods were a union.
 MIRRORS = {

@@ -14,7 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from tests.support import DEMO, ROOT, launch_trainer, preference_rows, write_jsonl
-from trainer_core import rows
+from trainer_core.data import rows
 from trainer_core.spec import Hyperparameters, TrainingSpec
 
 FORBIDDEN = {
@@ -48,7 +48,8 @@ def test_trainer_core_imports_no_web_db_or_queue_library() -> None:
     # and at run time nothing pulls the service's stack in indirectly (transformers may import botocore)
     runtime = sorted(FORBIDDEN - {"boto3", "botocore"})
     probe = (
-        "import sys, trainer_core.launch, trainer_core.trainer, trainer_core.export, trainer_core.registry;"
+        "import sys, trainer_core.engine.launch, trainer_core.engine.trainer, trainer_core.export, "
+        "trainer_core.models.registry;"
         f"bad = sorted({{m.split('.')[0] for m in sys.modules}} & set({runtime!r}));"
         "print(bad); sys.exit(1 if bad else 0)"
     )
@@ -58,7 +59,8 @@ def test_trainer_core_imports_no_web_db_or_queue_library() -> None:
 
 def test_spec_and_validation_modules_load_no_torch() -> None:
     probe = "import sys, "
-    probe += "trainer_core.spec, trainer_core.rows, trainer_core.registry; sys.exit('torch' in sys.modules)"
+    probe += "trainer_core.spec, trainer_core.data.rows, trainer_core.models.registry; "
+    probe += "sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT).returncode == 0
 
 
@@ -211,7 +213,8 @@ def test_a_failed_onnx_export_costs_that_artifact_only(
     """The export fails (as a model torch.onnx cannot trace, or a parity check, would): training succeeded,
     so the PyTorch model is reported and the result says which format failed and why, instead of an error
     that failed a finished job."""
-    from trainer_core import export, launch
+    from trainer_core import export
+    from trainer_core.engine import launch
     from trainer_core.events import EventStream
 
     def refuse(*args: Any, **kwargs: Any) -> None:
@@ -261,7 +264,7 @@ def test_launch_reports_a_spec_that_cannot_run(tmp_path: Path) -> None:
 
 
 def test_pickled_weights_are_refused(tmp_path: Path) -> None:
-    from trainer_core import modeling, registry
+    from trainer_core.models import modeling, registry
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
@@ -284,7 +287,7 @@ def test_registry_loads_a_local_directory(tmp_path: Path) -> None:
     """A hub-layout directory under ORTUNE_MODELS_DIR loads through the real from_pretrained path."""
     import shutil
 
-    from trainer_core import modeling, registry
+    from trainer_core.models import modeling, registry
 
     src = registry.resolve("sentence-transformers/all-MiniLM-L6-v2").path
     assert src is not None
@@ -312,7 +315,8 @@ def test_a_hugging_face_cache_is_a_registry_and_its_chat_template_is_used(tmp_pa
     loaded through from_pretrained, and its own template (not the default) renders the chat rows."""
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
-    from trainer_core import chat, modeling, prepare, registry
+    from trainer_core.data import chat, prepare
+    from trainer_core.models import modeling, registry
 
     texts = [f"<|im_start|>user\nsay {w}<|im_end|>\n<|im_start|>assistant\n{w}<|im_end|>\n" for w in "abcdef"]
     tokenizer = modeling.train_tokenizer("tiny-gpt2", texts * 20)
@@ -357,7 +361,7 @@ def test_built_models_are_the_same_for_the_same_seed(model: str) -> None:
     """Same data and seed, same tokenizer and weights: tokenizers' WordPieceTrainer broke this once."""
     import torch
 
-    from trainer_core import modeling, registry
+    from trainer_core.models import modeling, registry
 
     texts = [json.loads(x)["text"] for x in (DEMO / "sentiment_train.jsonl").read_text().splitlines()[:48]]
     spec = TrainingSpec(
@@ -390,7 +394,7 @@ def _replica(rank: int, init: str, skew: float, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainer_core import ranks
+    from trainer_core.engine import ranks
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     torch.manual_seed(0)
@@ -438,7 +442,7 @@ def test_a_lora_job_trains_an_adapter_that_on_its_base_gives_the_merged_models_l
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trainer_core import modeling
+    from trainer_core.models import modeling
     from trainer_core.spec import Lora
 
     texts = [
@@ -521,7 +525,7 @@ def test_dpo_raises_the_preference_accuracy_on_held_out_pairs(tmp_path: Path, ad
     on held-out pairs asked in other words, the share the model itself ranks the preferred answer first rises;
     the events carry TRL's reward margins and accuracies; the backend says why PyTorch; the model comes out as
     for supervised jobs."""
-    from trainer_core import modeling
+    from trainer_core.models import modeling
     from trainer_core.spec import Dpo, Lora
 
     train_rows, valid_rows = preference_rows(48), preference_rows(12, held_out=True)
@@ -562,7 +566,7 @@ def test_dpo_raises_the_preference_accuracy_on_held_out_pairs(tmp_path: Path, ad
 
 
 def prepare_text(row: dict[str, Any]) -> str:
-    from trainer_core import prepare
+    from trainer_core.data import prepare
 
     return prepare._text(row)
 
@@ -577,7 +581,9 @@ def test_a_causal_lm_exports_with_its_kv_cache_and_generates_pytorchs_tokens(
     import onnxruntime as ort
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from trainer_core import export, export_decoder, modeling
+    from trainer_core import export
+    from trainer_core.export import decoder as export_decoder
+    from trainer_core.models import modeling
 
     texts = [f"the {w} jumps over the lazy {v} again and again" for w in "abcd" for v in "wxyz"]
     tokenizer = modeling.train_tokenizer("tiny-gpt2", texts * 5)
@@ -617,7 +623,8 @@ def test_packed_rows_do_not_see_each_other(tmp_path: Path, shape: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-    from trainer_core import data, modeling
+    from trainer_core.data import batches
+    from trainer_core.models import modeling
 
     texts = ["one two three four five", "six seven", "eight nine ten eleven", "twelve"]
     tokenizer = modeling.train_tokenizer("tiny-gpt2", texts * 20)
@@ -636,10 +643,10 @@ def test_packed_rows_do_not_see_each_other(tmp_path: Path, shape: str) -> None:
         def __getitem__(self, i: int) -> dict[str, Any]:
             return {"input_ids": rows[i], "labels": rows[i]}
 
-    packed = data.Packed(Store(), capacity=int(Store.lengths[:3].sum()))
+    packed = batches.Packed(Store(), capacity=int(Store.lengths[:3].sum()))
     assert sorted(r for g in packed.groups for r in g.tolist()) == [0, 1, 2, 3]
     assert max(len(g) for g in packed.groups) >= 3 and len(packed) == 2
-    batch = data.PackedCollator(0)([packed[i] for i in range(len(packed))])
+    batch = batches.PackedCollator(0)([packed[i] for i in range(len(packed))])
     assert "attention_mask" not in batch
     with torch.no_grad():
         out = model(**batch, use_cache=False)  # as in training (modeling.load): a cache hides the packing

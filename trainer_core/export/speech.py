@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer_core import speech
+from trainer_core.data.mediastore import MediaCollator, MediaStore
 from trainer_core.export import ExportError, HeldOut, save_onnx, write_manifest
-from trainer_core.mediastore import MediaCollator, MediaStore
+from trainer_core.tasks import speech
 
 CHECK_CLIPS = 8
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer_core.rows import MAX_LABELS, Report
+from trainer_core.data.rows import MAX_LABELS, Report
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp"})
 AUDIO_SUFFIXES = frozenset({".wav", ".flac", ".ogg", ".mp3"})
@@ -322,7 +322,7 @@ def check_archive(
 ) -> Report:
     """The upload check for an archive: the report the API files under the upload, as for JSONL rows."""
     from trainer_core import tasks
-    from trainer_core.rows import required_columns
+    from trainer_core.data.rows import required_columns
 
     report = Report()
     try:

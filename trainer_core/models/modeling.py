@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_core.registry import ModelInfo
+from trainer_core.models.registry import ModelInfo
 from trainer_core.spec import TrainingSpec
 
 
@@ -153,7 +153,7 @@ def _built(
     """A tiny model built from a config: text models learn a tokenizer from `texts` unless given one; media
     models take their processor as `tokenizer`."""
     if info.id == "tiny-whisper":
-        from trainer_core import speech
+        from trainer_core.tasks import speech
 
         return Loaded(speech.built_model(tokenizer), tokenizer)
     if info.id in ("tiny-vit", "tiny-audio"):

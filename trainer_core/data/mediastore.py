@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from trainer_core import media, tasks
-from trainer_core.datastore import Meta
-from trainer_core.rows import Report
+from trainer_core import tasks
+from trainer_core.data import media
+from trainer_core.data.datastore import Meta
+from trainer_core.data.rows import Report
 from trainer_core.spec import TrainingSpec
 
 MAX_CLIP_SECONDS = 30.0
@@ -48,7 +49,7 @@ def built_processor(model: str, transcripts: list[str]) -> Any:
     """The processor of a built tiny model: 32x32 images normalized to [-1, 1], 16 kHz audio, or for
     tiny-whisper log-mel features and a tokenizer learnt from the transcriptions."""
     if model == "tiny-whisper":
-        from trainer_core import speech
+        from trainer_core.tasks import speech
 
         return speech.built_processor(transcripts)
     if model == "tiny-vit":
@@ -68,7 +69,7 @@ def load_processor(source: Path | str, task: str) -> Any:
     from transformers import AutoFeatureExtractor, AutoImageProcessor
 
     if transcribes(task):
-        from trainer_core.speech import SpeechProcessor
+        from trainer_core.tasks.speech import SpeechProcessor
 
         return SpeechProcessor.from_pretrained(source)
     if tasks.get(task).media == "image":
@@ -278,7 +279,7 @@ def model_start(spec: TrainingSpec, processor: Any) -> int:
     if spec.model_path is not None:
         config = json.loads((Path(spec.model_path) / "config.json").read_text())
         return int(config["decoder_start_token_id"])
-    from trainer_core.speech import START
+    from trainer_core.tasks.speech import START
 
     return int(processor.tokenizer.convert_tokens_to_ids(START))
 

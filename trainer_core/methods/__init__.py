@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_core.rows import KINDS, MEDIA_KINDS
+from trainer_core.data.rows import KINDS, MEDIA_KINDS
 from trainer_core.tasks import NAMES as TASK_NAMES
 
 
@@ -21,7 +21,7 @@ class MethodInfo:
     name: str
     row_kinds: tuple[str, ...]
     tasks: tuple[str, ...]
-    trainer: str  # "module:function" building its Trainer (trainer_core/trainer.py's signature)
+    trainer: str  # "module:function" building its Trainer (trainer_core/engine/trainer.py's signature)
     rows_per_example: int = 1
     example: str = "rows"  # what one example is called in messages ("pairs")
     ort_problem: str | None = None  # why ORTModule cannot train it; None: it can
@@ -40,14 +40,14 @@ METHODS: dict[str, MethodInfo] = {
             "supervised",
             row_kinds=tuple(k for k in (*KINDS, *MEDIA_KINDS) if k != "preference"),
             tasks=TASK_NAMES,
-            trainer="trainer_core.trainer:supervised_trainer",
+            trainer="trainer_core.engine.trainer:supervised_trainer",
             hint='{"type": "supervised"}',
         ),
         MethodInfo(
             "dpo",
             row_kinds=("preference",),
             tasks=("causal-lm",),
-            trainer="trainer_core.trainer:dpo_trainer",
+            trainer="trainer_core.engine.trainer:dpo_trainer",
             rows_per_example=2,
             example="pairs",
             own_loss=True,

@@ -1,4 +1,4 @@
-"""Tokenize a job's files into stores (trainer_core/datastore.py): `python -m trainer_core.prepare spec.json`.
+"""Tokenize a job's files into stores (data/datastore.py): `python -m trainer_core.data.prepare spec.json`.
 
 The worker runs this before the trainer when the stores its spec names are not cached yet, relays its
 progress events and keeps the stores. Rows are read streaming and tokenized in batches by the fast
@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from trainer_core import chat, datastore, mediastore, rows
 from trainer_core.contract import EXIT_FAILED, EXIT_OK
-from trainer_core.datastore import StoreWriter, TokenStore
+from trainer_core.data import chat, datastore, mediastore, rows
+from trainer_core.data.datastore import StoreWriter, TokenStore
 from trainer_core.events import EventStream
 from trainer_core.spec import TrainingSpec
 
@@ -69,7 +69,7 @@ def _tokenizer(spec: TrainingSpec, store: Path) -> Any:
         return processor
     if spec.model_path is not None:
         return AutoTokenizer.from_pretrained(spec.model_path, local_files_only=True, trust_remote_code=False)
-    from trainer_core.modeling import train_tokenizer
+    from trainer_core.models.modeling import train_tokenizer
 
     tokenizer = train_tokenizer(spec.model, _texts(Path(spec.train_file), spec.train_format, TOKENIZER_ROWS))
     tokenizer.save_pretrained(store / "tokenizer")
@@ -96,7 +96,7 @@ def _encode(
         return ids, [index[str(r["label"])] for r in batch], None
     if "messages" in batch[0]:  # a file holds one kind of row; chat: the model's own template, every turn
         encoded = [chat.encode(tokenizer, row["messages"], max_len) for row in batch]
-    elif "preferred_output" in batch[0]:  # a pair as two rows, preferred then not: see trainer_core/dpo.py
+    elif "preferred_output" in batch[0]:  # a pair as two rows, preferred then not: see methods/dpo.py
         encoded = [
             chat.encode(tokenizer, chat.answered(row["input"]["messages"], row[side]), max_len)
             for row in batch
@@ -368,7 +368,7 @@ class _locked:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer_core.prepare", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m trainer_core.data.prepare", description=__doc__)
     parser.add_argument("spec", type=Path, help="the job's spec.json")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

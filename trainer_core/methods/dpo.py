@@ -1,6 +1,6 @@
 """Preference tuning (DPO) through TRL's DPOTrainer, reading the job's memory-mapped token stores.
 
-A preference store (prepare.py) holds pair i as rows 2i (the prompt with the preferred answer) and 2i + 1
+A preference store (data/prepare.py) holds pair i as rows 2i (the prompt with the preferred answer) and 2i + 1
 (with the non-preferred one), each with its loss mask on that answer's tokens (chat.answered). TRL tokenizes
 its data into an Arrow table of its own; here its dataset is only the pairs' indices, and `PairCollator` reads
 the pairs from the store, laid out as TRL's own collator lays them (every preferred sequence, then every
@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer_core.data import BucketSampler, Collator
-from trainer_core.datastore import TokenStore
+from trainer_core.data.batches import BucketSampler, Collator
+from trainer_core.data.datastore import TokenStore
 
 SPLITS = ("train", "valid")
 

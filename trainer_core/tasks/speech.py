@@ -186,7 +186,7 @@ def trainer_setup(tokenizer: Any, valid: Any, collator: Any) -> tuple[Any, dict[
 
 def trainer_class() -> Any:
     """ORTTrainer whose evaluations also transcribe held-out clips: `eval_wer` beside `eval_loss`."""
-    from trainer_core.ort_trainer import ORTTrainer
+    from trainer_core.engine.ort_trainer import ORTTrainer
 
     class SpeechTrainer(ORTTrainer):
         def __init__(self, *args: Any, wer: Callable[[Any], float] | None = None, **kwargs: Any) -> None:

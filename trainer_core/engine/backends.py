@@ -52,12 +52,12 @@ def ort_problem(spec: TrainingSpec, *, cuda: bool) -> str | None:
         )
     if (unfit := _precision_problem(spec, cuda=cuda)) is not None:
         return unfit
-    from trainer_core import ort_setup
+    from trainer_core.engine import ort_setup
 
     if (broken := ort_setup.reason_if_broken()) is not None:
         return broken
     try:
-        from trainer_core import ort_compat
+        from trainer_core.engine import ort_compat
 
         ort_compat.apply()
         import onnxruntime.training.ortmodule  # noqa: F401
@@ -73,7 +73,7 @@ def _precision_problem(spec: TrainingSpec, *, cuda: bool) -> str | None:
 
 
 def choose(spec: TrainingSpec, *, cuda: bool) -> BackendChoice:
-    """The backend for `spec`, whose precision is already decided (trainer_core/precision.py)."""
+    """The backend for `spec`, whose precision is already decided (trainer_core/engine/precision.py)."""
     problem = None if spec.backend == "torch" else ort_problem(spec, cuda=cuda)
     if spec.backend == "ort" and problem:
         raise BackendUnavailable(problem)
@@ -159,7 +159,7 @@ def measure(
 
     import torch
 
-    from trainer_core.ort_trainer import wrap
+    from trainer_core.engine.ort_trainer import wrap
 
     device = next(model.parameters()).device
     rng = torch.get_rng_state()

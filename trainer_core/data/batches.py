@@ -1,4 +1,4 @@
-"""How rows become batches: the length-bucketed sampler, the collator (chat rows: trainer_core.chat), and
+"""How rows become batches: the length-bucketed sampler, the collator (chat rows: trainer_core.data.chat), and
 packing of short rows into full sequences."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer_core.datastore import IGNORE
+from trainer_core.data.datastore import IGNORE
 
 
 class BucketSampler(torch.utils.data.Sampler[int]):

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from trainer_core.data.mediastore import MediaCollator, MediaStore
 from trainer_core.export import PARITY_TOLERANCE, HeldOut, logits_parity, save_onnx, write_manifest
-from trainer_core.mediastore import MediaCollator, MediaStore
 
 
 class _Logits(torch.nn.Module):

@@ -37,7 +37,7 @@ class ORTTrainingArguments(TrainingArguments):
 
 def wrap(model: torch.nn.Module, log_level: str = "WARNING") -> torch.nn.Module:
     """ORTModule(model) with fallback disabled (ort_compat.apply makes that the policy)."""
-    from trainer_core import ort_compat
+    from trainer_core.engine import ort_compat
 
     ort_compat.apply()
     from onnxruntime.training.ortmodule import DebugOptions, LogLevel, ORTModule

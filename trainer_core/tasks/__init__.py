@@ -23,7 +23,7 @@ DEFAULT_MAX_LENGTH = 128
 @dataclass(frozen=True)
 class TaskInfo:
     name: str
-    row_kinds: tuple[str, ...]  # trainer_core/rows.py KINDS or MEDIA_KINDS
+    row_kinds: tuple[str, ...]  # trainer_core/data/rows.py KINDS or MEDIA_KINDS
     auto_class: str  # the transformers Auto class that loads its models
     exporter: str  # "module:function" writing its ONNX artifact (trainer_core/export*.py)
     max_length: int = DEFAULT_MAX_LENGTH  # max_seq_length when a job does not say
@@ -37,7 +37,7 @@ class TaskInfo:
     token_loss: bool = False
     default_for: tuple[str, ...] = ()  # the row kinds that train this task when a job names none
     trainer: str | None = None  # "module:function" giving the Trainer subclass and its extra arguments
-    built_models: tuple[str, ...] = ()  # tiny models built from a config for it (trainer_core/modeling.py)
+    built_models: tuple[str, ...] = ()  # tiny models built from a config for it (models/modeling.py)
     pretrained_encoders: bool = False  # packaged sentence encoders (all-MiniLM-L6-v2) fine-tune for it
 
     def load(self, attribute: str) -> Any:
@@ -65,7 +65,7 @@ TASKS: dict[str, TaskInfo] = {
             "causal-lm",
             row_kinds=("text", "prompt_completion", "chat", "preference"),
             auto_class="AutoModelForCausalLM",
-            exporter="trainer_core.export_decoder:export_onnx",
+            exporter="trainer_core.export.decoder:export_onnx",
             max_length=2048,  # chat rows are long
             lora=True,
             peft_task_type="CAUSAL_LM",
@@ -78,7 +78,7 @@ TASKS: dict[str, TaskInfo] = {
             "image-classification",
             row_kinds=("image_label",),
             auto_class="AutoModelForImageClassification",
-            exporter="trainer_core.export_media:export_onnx",
+            exporter="trainer_core.export.media:export_onnx",
             classifies=True,
             media="image",
             default_for=("image_label",),
@@ -88,7 +88,7 @@ TASKS: dict[str, TaskInfo] = {
             "audio-classification",
             row_kinds=("audio_label",),
             auto_class="AutoModelForAudioClassification",
-            exporter="trainer_core.export_media:export_onnx",
+            exporter="trainer_core.export.media:export_onnx",
             classifies=True,
             media="audio",
             default_for=("audio_label",),
@@ -98,10 +98,10 @@ TASKS: dict[str, TaskInfo] = {
             "automatic-speech-recognition",
             row_kinds=("audio_transcription",),
             auto_class="AutoModelForSpeechSeq2Seq",
-            exporter="trainer_core.export_speech:export_onnx",
+            exporter="trainer_core.export.speech:export_onnx",
             media="audio",
             default_for=("audio_transcription",),
-            trainer="trainer_core.speech:trainer_setup",
+            trainer="trainer_core.tasks.speech:trainer_setup",
             built_models=("tiny-whisper",),
         ),
     )

@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from trainer_core import ranks
+from trainer_core.engine import ranks
 from trainer_core.events import EventStream
 
 METRIC_NAMES = {
@@ -28,7 +28,7 @@ EVAL_NAMES = {
     "eval_wer": "eval_wer",  # speech recognition: greedy transcripts of held-out clips (speech.py)
     "eval_rewards/margins": "eval_reward_margin",
     "eval_rewards/accuracies": "eval_reward_accuracy",
-    "eval_preference_accuracy": "eval_preference_accuracy",  # trainer_core/dpo.py
+    "eval_preference_accuracy": "eval_preference_accuracy",  # trainer_core/methods/dpo.py
 }
 
 

@@ -1,4 +1,4 @@
-"""Run one training job from its spec: `python -m trainer_core.launch spec.json`.
+"""Run one training job from its spec: `python -m trainer_core.engine.launch spec.json`.
 
 Events go to stdout as JSON lines (see events.py); everything else goes to stderr. The exit codes are
 the worker's contract (ortune/contract.py); under torchrun a rank stopped on request exits 0, and rank 0's
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer_core.callbacks import EVAL_NAMES, Diverged, StopOnRequest
 from trainer_core.contract import EXIT_FAILED, EXIT_OK, EXIT_SPEC_ERROR, EXIT_STOPPED, die_with_parent
+from trainer_core.engine.callbacks import EVAL_NAMES, Diverged, StopOnRequest
+from trainer_core.engine.ranks import rank
 from trainer_core.events import EventStream
-from trainer_core.ranks import rank
 from trainer_core.spec import TrainingSpec
 
 
@@ -68,7 +68,9 @@ def setup(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = 
     import torch
     import transformers
 
-    from trainer_core import backends, modeling, precision, prepare, registry
+    from trainer_core.data import prepare
+    from trainer_core.engine import backends, precision
+    from trainer_core.models import modeling, registry
 
     transformers.utils.logging.set_verbosity_error()
     cuda = torch.cuda.is_available()
@@ -106,7 +108,7 @@ def setup(spec: TrainingSpec, events: EventStream, stop: StopOnRequest | None = 
 def train(job: Job, stop: StopOnRequest | None) -> dict[str, float]:
     """Train, with an evaluation before and after so the job shows what training bought; the final
     metrics."""
-    from trainer_core import ranks
+    from trainer_core.engine import ranks
 
     spec, hf_trainer, valid_set = job.spec, job.hf_trainer, job.valid_set
     if valid_set is not None and spec.resume_from is None:
@@ -136,7 +138,8 @@ def train(job: Job, stop: StopOnRequest | None) -> dict[str, float]:
 
 def save(job: Job, final: dict[str, float]) -> None:
     """The PyTorch directory (and a LoRA job's adapter), the ONNX export checked against it, the result."""
-    from trainer_core import export, ort_trainer
+    from trainer_core import export
+    from trainer_core.engine import ort_trainer
 
     spec, events, hf_trainer = job.spec, job.events, job.hf_trainer
     if job.choice.used == "ort":
@@ -182,7 +185,9 @@ def _save_onnx(job: Job, out: Path, manifest: dict[str, Any]) -> tuple[dict[str,
     """The task's exporter over the PyTorch model as stored, checked on the held-out rows as the collator
     batches them; a failed export costs that artifact only. The stored model, not the trainer's copy: its
     forward may still carry a mixed-precision wrapper, and bf16 greedy decoding then disagrees with ONNX."""
-    from trainer_core import export, modeling, trainer
+    from trainer_core import export
+    from trainer_core.engine import trainer
+    from trainer_core.models import modeling
 
     spec, tokenizer = job.spec, job.loaded.tokenizer
     model = modeling.from_directory(out / "pytorch", spec.task)
@@ -211,11 +216,12 @@ def _measure(spec: TrainingSpec, choice: Any, loaded: Any, train_set: Any, *, cu
     ORT won, its ORTModule."""
     import torch
 
-    from trainer_core import backends, data, trainer
+    from trainer_core.data.batches import BucketSampler
+    from trainer_core.engine import backends, trainer
 
     hp = spec.hyperparameters
     per_epoch = -(-len(train_set) // hp.batch_size)
-    order = iter(data.BucketSampler(train_set.lengths, hp.batch_size, spec.seed))
+    order = iter(BucketSampler(train_set.lengths, hp.batch_size, spec.seed))
     collate = trainer.collator_for(spec, loaded.tokenizer, train_set)
     batches = []
     for _ in range(min(3, per_epoch)):  # the job's first batches, as its sampler orders them
@@ -263,7 +269,7 @@ def _report_backend(events: EventStream, choice: Any, chosen_precision: Any) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer_core.launch", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m trainer_core.engine.launch", description=__doc__)
     parser.add_argument("spec", type=Path, help="the job's spec.json")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -275,10 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     if rank() != 0:
         events = EventStream.silent()
     stop = StopOnRequest().install()
-    from trainer_core.backends import BackendUnavailable
+    from trainer_core.engine.backends import BackendUnavailable
+    from trainer_core.engine.trainer import SpecError
     from trainer_core.export import ExportError
-    from trainer_core.modeling import ModelLoadError
-    from trainer_core.trainer import SpecError
+    from trainer_core.models.modeling import ModelLoadError
 
     try:
         spec = TrainingSpec.load(args.spec)

@@ -67,7 +67,7 @@ PATCHES: dict[str, list[tuple[str, str]]] = {
 NEEDS_HELPER = ("custom_function_fw.cc", "custom_function_bw.cc")
 
 SMOKE = """
-from trainer_core import ort_compat; ort_compat.apply()
+from trainer_core.engine import ort_compat; ort_compat.apply()
 import torch
 from onnxruntime.training.ortmodule import ORTModule
 from transformers import BertConfig, BertForSequenceClassification
@@ -153,7 +153,7 @@ def built(ext_dir: Path) -> bool:
 
 def build(ext_dir: Path) -> None:
     code = (
-        "from trainer_core import ort_compat; ort_compat.apply();"
+        "from trainer_core.engine import ort_compat; ort_compat.apply();"
         "from onnxruntime.training.ortmodule.torch_cpp_extensions import install;"
         "install.build_torch_cpp_extensions()"
     )

@@ -7,13 +7,13 @@ from typing import Any
 
 import numpy as np
 
-from trainer_core import mediastore
-from trainer_core.backends import BackendChoice
-from trainer_core.callbacks import CheckpointPacing, DivergenceGuard, EventCallback, StopOnRequest
-from trainer_core.data import BucketSampler, Collator, Packed, PackedCollator
-from trainer_core.datastore import Store, TokenStore
+from trainer_core.data import mediastore
+from trainer_core.data.batches import BucketSampler, Collator, Packed, PackedCollator
+from trainer_core.data.datastore import Store, TokenStore
+from trainer_core.engine.backends import BackendChoice
+from trainer_core.engine.callbacks import CheckpointPacing, DivergenceGuard, EventCallback, StopOnRequest
+from trainer_core.engine.ort_trainer import ORTTrainer, ORTTrainingArguments
 from trainer_core.events import EventStream
-from trainer_core.ort_trainer import ORTTrainer, ORTTrainingArguments
 from trainer_core.spec import TrainingSpec
 
 
@@ -62,7 +62,7 @@ def common_arguments(
         warmup_steps=hp.warmup_ratio,
         optim=choice.optim,
         # mixed precision: autocast compute, fp32 master weights and optimizer state (spec.precision is
-        # already decided by trainer_core/precision.py)
+        # already decided by trainer_core/engine/precision.py)
         bf16=spec.precision == "bf16",
         fp16=spec.precision == "fp16",
         use_cpu=not cuda,
@@ -174,7 +174,7 @@ def _packed(
 ) -> tuple[Packed, Collator]:
     """The training rows packed into sequences up to the job's length (evaluation stays unpacked, so its
     loss reads as any other job's)."""
-    from trainer_core.prepare import seq_limit
+    from trainer_core.data.prepare import seq_limit
 
     capacity = seq_limit(spec, tokenizer)
     packed = Packed(train, capacity)
@@ -202,10 +202,10 @@ def dpo_trainer(
     stop: StopOnRequest | None = None,
 ) -> Any:
     """The dpo method's Trainer (MethodInfo.trainer): TRL's DPOTrainer over the preference stores
-    (trainer_core/dpo.py). ORTModule never runs it (MethodInfo.ort_problem), so `ort_module` is unused."""
+    (methods/dpo.py). ORTModule never runs it (MethodInfo.ort_problem), so `ort_module` is unused."""
     from trl import DPOConfig
 
-    from trainer_core import dpo
+    from trainer_core.methods import dpo
     from trainer_core.spec import Dpo
 
     assert isinstance(spec.method, Dpo)

@@ -24,7 +24,7 @@ KINDS: dict[str, frozenset[str]] = {
     "preference": frozenset({"input", "preferred_output", "non_preferred_output"}),
     "text": frozenset({"text"}),
 }
-# archives of media files (trainer_core/media.py), described as a refusal names them
+# archives of media files (trainer_core/data/media.py), described as a refusal names them
 MEDIA_KINDS: dict[str, str] = {
     "image_label": "an archive of images with labels",
     "audio_label": "an archive of audio clips with labels",

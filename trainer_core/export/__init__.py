@@ -3,7 +3,7 @@
 The ONNX graph comes from torch's dynamo exporter with dynamic batch and sequence dimensions, and is run
 with onnxruntime on inputs of other shapes than the export sample; the largest absolute difference of the
 logits is recorded in the manifest, and a difference above `PARITY_TOLERANCE` fails the export. A causal LM
-is exported with its KV cache by export_decoder.py.
+is exported with its KV cache by export/decoder.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer_core.ort_compat import dynamo_export
+from trainer_core.engine.ort_compat import dynamo_export
 
 PARITY_TOLERANCE = 1e-3
 MANIFEST = "ortune_manifest.json"
