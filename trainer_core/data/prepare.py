@@ -127,23 +127,20 @@ def _build(
     total: int | None,
     has_tokenizer: bool,
 ) -> None:
-    build = _build_media if mediastore.is_media(spec.task) else _build_tokens
-    build(path, fmt, store, key, tokenizer, spec, events, what=what, total=total, has_tokenizer=has_tokenizer)
-
-
-def _build_tokens(
-    path: Path,
-    fmt: str,
-    store: Path,
-    key: str,
-    tokenizer: Any,
-    spec: TrainingSpec,
-    events: EventStream,
-    *,
-    what: str,
-    total: int | None,
-    has_tokenizer: bool,
-) -> None:
+    if mediastore.is_media(spec.task):
+        _build_media(
+            path,
+            fmt,
+            store,
+            key,
+            tokenizer,
+            spec,
+            events,
+            what=what,
+            total=total,
+            has_tokenizer=has_tokenizer,
+        )
+        return
     writer = StoreWriter(store, key, spec.task)
     unit = spec.method_info.rows_per_example  # store rows per file row
     t0 = last = time.monotonic()
