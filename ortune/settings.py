@@ -98,6 +98,10 @@ class Settings(BaseSettings):
     node_devices: int | None = Field(default=None, ge=1, le=1024)
     node_address: str = "127.0.0.1"
     distributed_timeout_seconds: int = Field(default=120, ge=10)  # a rank that stops answering fails the rest
+    # Rank 0's rendezvous port is drawn from here: below Linux's ephemeral range (32768-60999), where a port
+    # can be one that an outgoing connection on that host already holds (CI met EADDRINUSE at 33944).
+    rendezvous_port_min: int = Field(default=20_000, ge=1024, le=65535)
+    rendezvous_port_max: int = Field(default=32_767, ge=1024, le=65535)
 
     # The trainer's private memory (RssAnon of its whole process tree): past it the worker kills the trainer
     # and the job fails with `out_of_memory`. Unset: 75% of this node's memory.
@@ -115,6 +119,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _fill_embedded_defaults(self) -> Settings:
+        if self.rendezvous_port_min > self.rendezvous_port_max:
+            raise ValueError(
+                f"ORTUNE_RENDEZVOUS_PORT_MIN ({self.rendezvous_port_min}) is above "
+                f"ORTUNE_RENDEZVOUS_PORT_MAX ({self.rendezvous_port_max})"
+            )
         data = self.data_dir.resolve()
         if not self.database_url:
             self.database_url = f"sqlite:///{data / 'ortune.db'}"

@@ -55,6 +55,7 @@ def _dispatch(settings: Settings) -> list[str]:
             return started
         nodes_repo = NodeRepository(session)
         nodes = list(nodes_repo.alive(settings.heartbeat_timeout_seconds, lock=True))
+        ports: set[int] = set()  # two gangs started in one round may share a master node
         taken = {(a.node_name, a.device) for a in nodes_repo.live_assignments([n.name for n in nodes])}
         free = {n.name: [d for d in range(n.devices) if (n.name, d) not in taken] for n in nodes}
         for job in waiting:
@@ -62,7 +63,7 @@ def _dispatch(settings: Settings) -> list[str]:
             placement = _place(nodes, free, dist)
             if placement is None:
                 break  # gang scheduling: it waits whole, and lower priorities wait behind it
-            _start(session, settings, job, dist, placement)
+            _start(session, settings, job, dist, placement, ports)
             for node, devices in placement:
                 free[node.name] = [d for d in free[node.name] if d not in devices]
             started.append(job.id)
@@ -70,17 +71,34 @@ def _dispatch(settings: Settings) -> list[str]:
     return started
 
 
+def rendezvous_port(settings: Settings, used: set[int]) -> int:
+    """A port for rank 0's rendezvous, from the configured range and not one this round already gave."""
+    lo, hi = settings.rendezvous_port_min, settings.rendezvous_port_max
+    if len(used) <= hi - lo:
+        while (port := random.randint(lo, hi)) in used:
+            pass
+    else:  # more gangs in one round than ports: they can only be on different masters
+        port = random.randint(lo, hi)
+    used.add(port)
+    return port
+
+
 def _start(
-    session: Session, settings: Settings, job: Job, dist: Distributed, placement: list[tuple[Node, list[int]]]
+    session: Session,
+    settings: Settings,
+    job: Job,
+    dist: Distributed,
+    placement: list[tuple[Node, list[int]]],
+    ports: set[int],
 ) -> None:
-    master = placement[0][0]
+    master, port = placement[0][0], rendezvous_port(settings, ports)
     where = ", ".join(f"{n.name} (rank {r}, devices {ds})" for r, (n, ds) in enumerate(placement))
     attempt = lifecycle.place(
         session,
         job,
         f"{master.worker} (rank 0 of {dist.nodes} nodes)",
         f"{where}: {dist.nodes} x {dist.procs_per_node} process(es), {dist.strategy}",
-        {"nodes": [n.name for n, _ in placement], "strategy": dist.strategy},
+        {"nodes": [n.name for n, _ in placement], "strategy": dist.strategy, "master_port": port},
     )
     if attempt is None:  # the row is locked by this round; only a concurrent cancel gets here
         return
@@ -90,7 +108,6 @@ def _start(
                 Assignment(job_id=job.id, attempt=attempt, node_name=node.name, node_rank=rank, device=device)
             )
     session.flush()  # the unique index speaks here, before anything is sent
-    port = random.randint(20_000, 45_000)
     for rank, (node, devices) in enumerate(placement):
         task = {
             "job_id": job.id,

@@ -215,3 +215,28 @@ def test_the_sweep_frees_devices_of_attempts_that_are_over(settings: Settings) -
             job.status, job.attempt = status, attempt
     assert sweep(settings).released == 2
     assert [(a.job_id, a.device) for a in live(settings)] == [(running, 2)]
+
+
+def test_rendezvous_ports_stay_below_the_ephemeral_range_and_apart_within_a_round(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI once failed a two-node job with EADDRINUSE: its drawn port (33944) was in Linux's ephemeral range,
+    where any outgoing connection on rank 0's host may hold it."""
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr(scheduler, "send_rank", lambda _s, _q, task: sent.append(task))
+    settings = settings.model_copy(update={"rendezvous_port_min": 20_000, "rendezvous_port_max": 20_003})
+    add_nodes(settings, a=4, b=4)
+    ids = add_jobs(settings, [(2, 1, 0)] * 4)
+    assert sorted(scheduler.dispatch(settings)) == sorted(ids)
+    by_job: dict[str, set[int]] = {}
+    for task in sent:
+        by_job.setdefault(task["job_id"], set()).add(task["master_port"])
+    assert all(len(ports) == 1 for ports in by_job.values())  # every rank of a gang meets at one port
+    assert sorted(p for (p,) in by_job.values()) == [20_000, 20_001, 20_002, 20_003]  # four gangs, four ports
+    low, _ = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    assert all(scheduler.rendezvous_port(Settings(), set()) < low for _ in range(500))
+
+
+def test_a_rendezvous_range_upside_down_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="ORTUNE_RENDEZVOUS_PORT_MIN \\(30000\\) is above"):
+        Settings(rendezvous_port_min=30_000, rendezvous_port_max=20_000)
