@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -233,7 +234,7 @@ def test_rendezvous_ports_stay_below_the_ephemeral_range_and_apart_within_a_roun
         by_job.setdefault(task["job_id"], set()).add(task["master_port"])
     assert all(len(ports) == 1 for ports in by_job.values())  # every rank of a gang meets at one port
     assert sorted(p for (p,) in by_job.values()) == [20_000, 20_001, 20_002, 20_003]  # four gangs, four ports
-    low, _ = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    low, _ = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     assert all(scheduler.rendezvous_port(Settings(), set()) < low for _ in range(500))
 
 
