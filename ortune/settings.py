@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import socket
 import sys
@@ -106,6 +107,9 @@ class Settings(BaseSettings):
     # The trainer's private memory (RssAnon of its whole process tree): past it the worker kills the trainer
     # and the job fails with `out_of_memory`. Unset: 75% of this node's memory.
     trainer_memory_limit: int | None = Field(default=None, ge=64 * MiB)
+    # DeepSpeed compiles its shared-memory collective on a node's first ZeRO job (~35 s on 2 cores); kept here
+    # for every later job, keyed by Python and torch. Unset: $XDG_CACHE_HOME/ortune/torch-extensions.
+    torch_extensions_dir: Path | None = None
     # Tokenized stores cached on this node's disk (least recently used go first past the limit).
     cache_max_bytes: int = Field(default=20 * 1024 * MiB, ge=0)
 
@@ -186,6 +190,17 @@ class Settings(BaseSettings):
     def cache_dir(self) -> Path:
         """This node's cache of tokenized stores, beside the attempts' work directories."""
         return self.job_work_dir / "cache"
+
+    @property
+    def torch_extensions_path(self) -> Path:
+        """Where the trainers' torch extensions are built once per node, per Python and torch."""
+        root = self.torch_extensions_dir or (
+            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ortune" / "torch-extensions"
+        )
+        return (
+            root
+            / f"py{sys.version_info.major}{sys.version_info.minor}-torch{importlib.metadata.version('torch')}"
+        )
 
     @property
     def trainer_memory_bytes(self) -> int:

@@ -105,8 +105,8 @@ def _env(settings: Settings, task: dict[str, Any]) -> dict[str, str]:
     return _sockets(settings) | {
         "CUDA_VISIBLE_DEVICES": devices,
         "OMP_NUM_THREADS": str(_threads_per_rank(int(task["nproc_per_node"]))),
-        # DeepSpeed compiles a communication extension on its first run (~30 s); the node keeps it
-        "TORCH_EXTENSIONS_DIR": str(settings.job_work_dir / "torch_extensions"),
+        # DeepSpeed compiles a communication extension on a node's first ZeRO job; every later one reuses it
+        "TORCH_EXTENSIONS_DIR": str(settings.torch_extensions_path),
     }
 
 
