@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from trainer_core import contract
+
 MiB = 1024 * 1024
 # Every example credential the project ships (the settings' defaults, docker-compose.yml, docker/s3.json):
 # production refuses them (tests/kernel/test_settings.py reads those files to keep this list whole).
@@ -194,9 +196,7 @@ class Settings(BaseSettings):
     @property
     def torch_extensions_path(self) -> Path:
         """Where the trainers' torch extensions are built once per node, per Python and torch."""
-        root = self.torch_extensions_dir or (
-            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ortune" / "torch-extensions"
-        )
+        root = self.torch_extensions_dir or contract.user_cache("torch-extensions")
         return (
             root
             / f"py{sys.version_info.major}{sys.version_info.minor}-torch{importlib.metadata.version('torch')}"

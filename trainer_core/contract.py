@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 from collections import deque
 from pathlib import Path
@@ -105,3 +106,9 @@ def log_tail(path: Path, lines: int = 6, chars: int = 800) -> str:
     with contextlib.suppress(OSError), path.open(errors="replace") as fh:
         return "".join(deque(fh, maxlen=lines)).strip()[-chars:]
     return ""
+
+
+def user_cache(name: str) -> Path:
+    """This user's folder for what ortune builds once and keeps across jobs and environments (the XDG base
+    directory rule: $XDG_CACHE_HOME, else ~/.cache)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ortune" / name

@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from trainer_core import contract
+
 ORT_VERSION = "1.19.2"
 MARK = "// ortune: patched for torch >= 2.9"
 _FROM_DLPACK = """
@@ -194,7 +196,7 @@ def cache_root() -> Path | None:
     configured = os.environ.get("ORTUNE_BUILD_CACHE")
     if configured is not None:
         return Path(configured) if configured else None
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ortune" / "ort-extensions"
+    return contract.user_cache("ort-extensions")
 
 
 def restore(ext_dir: Path, cache: Path | None) -> bool:
