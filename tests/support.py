@@ -153,6 +153,26 @@ def launch_trainer(
     return result.returncode, [json.loads(line) for line in result.stdout.splitlines()], result.stderr[-3000:]
 
 
+def tokenized_spec(tmp: Path, task: str, items: list[dict[str, Any]], **kw: Any) -> TrainingSpec:
+    """A trainer's spec over `items` in `tmp`, its token store already built (what the worker's prepare
+    step leaves): tiny-bert for classification, tiny-gpt2 otherwise."""
+    from trainer_core.engine.launch import with_stores  # torch: only for the tests that train
+
+    train = write_jsonl(tmp / "train.jsonl", items)
+    return with_stores(
+        TrainingSpec(
+            job_id="ftjob-store",
+            task=task,
+            model="tiny-bert" if task == "sequence-classification" else "tiny-gpt2",
+            train_file=str(train),
+            labels=["negative", "positive"] if task == "sequence-classification" else [],
+            output_dir=str(tmp / "out"),
+            hyperparameters=Hyperparameters(max_seq_length=32).resolved(len(items)),
+            **kw,
+        )
+    )
+
+
 def submit(
     client: Client, tmp: Path, steps: int, every: int, n_rows: int = 64, **extra: Any
 ) -> dict[str, Any]:

@@ -255,9 +255,12 @@ def _upload_parts(settings: Settings, store: ObjectStore, job: Job, workdir: Pat
     for path in sorted((workdir / "out" / "checkpoints").glob("checkpoint-*")):
         step = int(path.name.rsplit("-", 1)[1])
         with session_scope(settings.database_url) as session:
-            recorded = any(c.step == step for c in CheckpointRepository(session).newest_first(job.id))
-        if not recorded:
-            continue  # rank 0 is still saving (or uploading) it
+            recorded = {c.step: c.object_key for c in CheckpointRepository(session).newest_first(job.id)}
+        if step not in recorded:
+            ours = [s for s, key in recorded.items() if key.startswith(f"{attempt_prefix(job)}/")]
+            if any(s > step for s in ours):  # this attempt's rank 0 stores in order: it could not store this
+                shutil.rmtree(path)
+            continue  # else rank 0 is still saving (or uploading) it
         key = f"{attempt_prefix(job)}/checkpoints/step-{step}.node-{rank}.tar"
         archive = workdir / f"part-{step}.tar"
         _, digest = pack_dir(path, archive)

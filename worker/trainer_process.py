@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import time
@@ -306,17 +307,20 @@ class TrainerProcess:
     def _upload_checkpoint(self, event: dict[str, Any]) -> None:
         path, step = Path(str(event["path"])), int(event["step"])
         if not path.is_dir():
-            self.relay.message(f"checkpoint at step {step} was rotated away before upload", level="warn")
+            self.relay.message(f"checkpoint at step {step} is missing from the work directory", level="warn")
             return
+        try:
+            self._store_checkpoint(path, step, event)
+        finally:  # stored or not, the trainer never reads it again: the disk holds only what is queued
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _store_checkpoint(self, path: Path, step: int, event: dict[str, Any]) -> None:
         # Events up to the checkpoint go in first: what the database shows never lags a stored checkpoint,
         # so after a lost attempt the events say exactly which steps the next attempt redoes.
         self.relay.flush()
         key = f"{attempt_prefix(self.job)}/checkpoints/step-{step}.tar"
         try:
             size, digest = self._store_dir(path, f"checkpoint-{step}", key)
-        except FileNotFoundError:  # the Trainer rotated it away while it was being packed
-            self.relay.message(f"checkpoint at step {step} was rotated away while packed", level="warn")
-            return
         except StorageUnavailable as exc:  # a resume point missed, not a reason to stop training
             (self.workdir / f"checkpoint-{step}.tar").unlink(missing_ok=True)
             self.relay.message(

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.support import launch_trainer, rows, write_jsonl
+from tests.support import launch_trainer, rows
+from tests.support import tokenized_spec as spec_for
 from trainer_core.data import chat, datastore, prepare
 from trainer_core.data.batches import BucketSampler
 from trainer_core.data.datastore import IGNORE
-from trainer_core.engine.launch import with_stores
 from trainer_core.events import EventStream
 from trainer_core.spec import Hyperparameters, TrainingSpec
 
@@ -23,22 +23,6 @@ CHAT = [
     {"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": f"{w} {w}"}]}
     for w in ("hello", "goodbye", "thanks", "please", "yes", "no") * 4
 ]
-
-
-def spec_for(tmp: Path, task: str, items: list[dict[str, Any]], **kw: Any) -> TrainingSpec:
-    train = write_jsonl(tmp / "train.jsonl", items)
-    return with_stores(
-        TrainingSpec(
-            job_id="ftjob-store",
-            task=task,
-            model="tiny-bert" if task == "sequence-classification" else "tiny-gpt2",
-            train_file=str(train),
-            labels=["negative", "positive"] if task == "sequence-classification" else [],
-            output_dir=str(tmp / "out"),
-            hyperparameters=Hyperparameters(max_seq_length=32).resolved(len(items)),
-            **kw,
-        )
-    )
 
 
 @pytest.mark.parametrize("task", ["sequence-classification", "causal-lm"])

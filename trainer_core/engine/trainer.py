@@ -72,7 +72,9 @@ def common_arguments(
         logging_first_step=True,
         save_strategy="steps" if every else "no",
         save_steps=every or 500,
-        save_total_limit=2 if every else None,
+        # None: the worker deletes each checkpoint once it is stored; the Trainer's own rotation deleted
+        # ones the worker had not stored yet whenever uploads ran behind training
+        save_total_limit=None,
         eval_strategy="steps" if has_eval and hp.eval_every_steps else "no",
         eval_steps=hp.eval_every_steps,
         report_to="none",

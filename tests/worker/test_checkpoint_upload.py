@@ -1,0 +1,62 @@
+"""Checkpoints and a slow store: the trainer checkpoints faster than the worker uploads, and no checkpoint
+is lost for it. CI caught a job whose step-8 checkpoint vanished unrecorded: the Trainer's own rotation
+(save_total_limit=2) deleted its directory while the worker was still storing step 6's."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from ortune.db.models import Checkpoint, JobEvent, JobStatus
+from ortune.db.session import session_scope
+from ortune.settings import Settings
+from ortune.storage import ObjectStore
+from tests.support import job_spec, rows, stored_job, tokenized_spec, wait_until
+from trainer_core.spec import Hyperparameters
+from worker.staging import store_of
+from worker.trainer_process import TrainerProcess
+
+
+class HeldStore:
+    """The job's real store, whose first checkpoint upload waits until the trainer has written its last
+    checkpoint (a slow or distant S3 while a tiny model trains on)."""
+
+    def __init__(self, store: ObjectStore, last: Path) -> None:
+        self.store, self.last, self.held = store, last, threading.Event()
+
+    def put_path(self, key: str, path: Path) -> None:
+        if "/checkpoints/" in key and not self.held.is_set():
+            self.held.set()
+            wait_until(f"the trainer to write {self.last.name}", self.last.is_dir, timeout=120)
+        self.store.put_path(key, path)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
+def test_checkpoints_written_faster_than_they_upload_are_all_stored_and_then_leave_the_disk(
+    settings: Settings, tmp_path: Path
+) -> None:
+    with session_scope(settings.database_url) as session:
+        job = stored_job(session, status=JobStatus.running, attempt=1, spec=job_spec(keep_checkpoints=10))
+        session.expunge(job)
+    spec = tokenized_spec(tmp_path, "sequence-classification", rows(48), checkpoint_every_steps=1)
+    hp = Hyperparameters(max_steps=5, batch_size=8, max_seq_length=32).resolved(48)
+    spec = spec.model_copy(update={"job_id": job.id, "hyperparameters": hp, "backend": "torch"})
+    spec.dump(tmp_path / "spec.json")
+    local = Path(spec.output_dir) / "checkpoints"
+    store = HeldStore(store_of(settings), local / "checkpoint-5")
+
+    outcome = TrainerProcess(settings, store, job, spec).run()  # type: ignore[arg-type]
+
+    assert outcome.status == JobStatus.succeeded, outcome.error
+    assert store.held.is_set()
+    with session_scope(settings.database_url) as session:
+        stored = sorted(c.step for c in session.query(Checkpoint).filter_by(job_id=job.id))
+        said = [e.message for e in session.query(JobEvent).filter_by(job_id=job.id)]
+    assert stored == [1, 2, 3, 4, 5], said
+    assert not [m for m in said if "checkpoint at step" in m.lower() and "stored" not in m], said
+    assert not list(local.glob("checkpoint-*"))  # each left the disk once stored
