@@ -243,7 +243,7 @@ def test_pause_and_resume_a_zero1_job_across_two_nodes(settings: Settings, tmp_p
     s = settings.model_copy(update={"sweep_seconds": 0.5})
     with two_nodes(s, tmp_path) as (client, _):
         train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(32)))
-        total = 300
+        total = 150  # enough that the pause at step 5 lands long before the end
         job = client.create_job(
             model="tiny-bert",
             training_file=train["id"],
