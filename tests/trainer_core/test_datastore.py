@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.support import launch_trainer, rows
-from tests.support import tokenized_spec as spec_for
+from tests.support import launch_trainer, rows, tokenized_spec
 from trainer_core.data import chat, datastore, prepare
 from trainer_core.data.batches import BucketSampler
 from trainer_core.data.datastore import IGNORE
@@ -28,7 +27,7 @@ CHAT = [
 @pytest.mark.parametrize("task", ["sequence-classification", "causal-lm"])
 def test_the_store_holds_what_direct_tokenization_gives(tmp_path: Path, task: str) -> None:
     items = rows(48) if task == "sequence-classification" else CHAT
-    spec = spec_for(tmp_path, task, items)
+    spec = tokenized_spec(tmp_path, task, items)
     with (tmp_path / "events").open("w") as out:
         train, valid = prepare.ensure(spec, EventStream(out))
     assert valid is None and len(train) == len(items) and train.meta.rows == len(items)
@@ -51,7 +50,7 @@ def test_the_store_holds_what_direct_tokenization_gives(tmp_path: Path, task: st
 
 
 def test_a_whole_store_is_reused_not_rebuilt(tmp_path: Path) -> None:
-    spec = spec_for(tmp_path, "sequence-classification", rows(48))
+    spec = tokenized_spec(tmp_path, "sequence-classification", rows(48))
     with (tmp_path / "events").open("w") as out:
         prepare.ensure(spec, EventStream(out))
         first = (Path(spec.train_store or "") / "ids.u32").stat().st_mtime_ns
@@ -112,7 +111,7 @@ def test_a_run_resumed_mid_epoch_trains_on_the_batches_of_an_uninterrupted_one(t
     """6 steps an epoch, a checkpoint at step 4: the resumed run's losses at steps 5 to 8 are those of the
     run that went through (same batches, same order, same state)."""
     items = [{"text": r["text"] * (1 + i % 4), "label": r["label"]} for i, r in enumerate(rows(48))]
-    spec = spec_for(
+    spec = tokenized_spec(
         tmp_path, "sequence-classification", items, checkpoint_every_steps=4, seed=11, backend="torch"
     )
     hp = Hyperparameters(max_steps=8, batch_size=8, learning_rate=1e-3, max_seq_length=64).resolved(48)
@@ -141,7 +140,9 @@ def test_checkpoints_come_no_faster_than_the_services_minimum_interval(
 ) -> None:
     """A checkpoint every step of a fast model: with a floor, only the last step's is taken (it never is
     held back) and one warning says why; without one, every step's."""
-    spec = spec_for(tmp_path, "sequence-classification", rows(48), checkpoint_every_steps=1, backend="torch")
+    spec = tokenized_spec(
+        tmp_path, "sequence-classification", rows(48), checkpoint_every_steps=1, backend="torch"
+    )
     hp = Hyperparameters(max_steps=6, batch_size=8, max_seq_length=32).resolved(48)
     spec = spec.model_copy(update={"hyperparameters": hp, "min_checkpoint_seconds": floor})
     code, said, stderr = launch_trainer(spec, tmp_path / "spec.json")
@@ -176,7 +177,7 @@ def test_every_assistant_turn_carries_the_loss_and_nothing_else_token_by_token(
         {"role": "user", "content": "say yes"},
         {"role": "assistant", "content": "yes please"},
     ]
-    spec = spec_for(tmp_path, "causal-lm", [*CHAT, {"messages": conversation}])
+    spec = tokenized_spec(tmp_path, "causal-lm", [*CHAT, {"messages": conversation}])
     with (tmp_path / "events").open("w") as out:
         train, _ = prepare.ensure(spec, EventStream(out))
     tokenizer = prepare.load_tokenizer(spec, train)
@@ -201,7 +202,7 @@ def test_rows_truncated_to_no_loss_are_left_out_and_said(tmp_path: Path) -> None
     loss, NaN), so they are left out and counted; a file of nothing else is refused with the reason."""
     long = [{"messages": [{"role": "user", "content": "word " * 60}, {"role": "assistant", "content": "ok"}]}]
     items = CHAT[:6] + long * 3
-    spec = spec_for(tmp_path, "causal-lm", items)
+    spec = tokenized_spec(tmp_path, "causal-lm", items)
     spec = spec.model_copy(
         update={"hyperparameters": spec.hyperparameters.model_copy(update={"max_seq_length": 48})}
     )
@@ -225,7 +226,7 @@ def test_rows_truncated_to_no_loss_are_left_out_and_said(tmp_path: Path) -> None
     assert "truncated_rows is refuse: raise max_seq_length or shorten them" in str(refused.value)
 
     (tmp_path / "b").mkdir()
-    only_long = spec_for(tmp_path / "b", "causal-lm", long * 4)
+    only_long = tokenized_spec(tmp_path / "b", "causal-lm", long * 4)
     only_long = only_long.model_copy(
         update={"hyperparameters": only_long.hyperparameters.model_copy(update={"max_seq_length": 48})}
     )
@@ -234,7 +235,7 @@ def test_rows_truncated_to_no_loss_are_left_out_and_said(tmp_path: Path) -> None
 
 
 def test_the_sequence_limit_is_bounded_by_what_the_model_reads(tmp_path: Path) -> None:
-    spec = spec_for(tmp_path, "causal-lm", CHAT)
+    spec = tokenized_spec(tmp_path, "causal-lm", CHAT)
     spec = spec.model_copy(
         update={"hyperparameters": spec.hyperparameters.model_copy(update={"max_seq_length": 2048})}
     )
@@ -251,7 +252,7 @@ def test_the_sequence_limit_is_bounded_by_what_the_model_reads(tmp_path: Path) -
 def test_a_template_that_renders_a_beginning_differently_is_refused(tmp_path: Path) -> None:
     """The turns are found by rendering the conversation's beginnings; a template whose generation prompt
     is not how it renders an assistant turn would misplace the loss, so it is refused with the reason."""
-    spec = spec_for(tmp_path, "causal-lm", CHAT)
+    spec = tokenized_spec(tmp_path, "causal-lm", CHAT)
     with (tmp_path / "events").open("w") as out:
         train, _ = prepare.ensure(spec, EventStream(out))
     tokenizer = prepare.load_tokenizer(spec, train)

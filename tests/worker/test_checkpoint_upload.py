@@ -1,6 +1,7 @@
 """Checkpoints and a slow store: the trainer checkpoints faster than the worker uploads, and no checkpoint
 is lost for it. CI caught a job whose step-8 checkpoint vanished unrecorded: the Trainer's own rotation
-(save_total_limit=2) deleted its directory while the worker was still storing step 6's."""
+(save_total_limit=2) deleted its directory while the worker was still storing step 6's. With no rotation,
+the other nodes of a job drop the parts their rank 0 could not store."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from ortune.db.base import new_id
 from ortune.db.models import Checkpoint, JobEvent, JobStatus
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from ortune.storage import ObjectStore
 from tests.support import job_spec, rows, stored_job, tokenized_spec, wait_until
 from trainer_core.spec import Hyperparameters
+from worker import distributed
 from worker.staging import store_of
 from worker.trainer_process import TrainerProcess
 
@@ -60,3 +63,36 @@ def test_checkpoints_written_faster_than_they_upload_are_all_stored_and_then_lea
     assert stored == [1, 2, 3, 4, 5], said
     assert not [m for m in said if "checkpoint at step" in m.lower() and "stored" not in m], said
     assert not list(local.glob("checkpoint-*"))  # each left the disk once stored
+
+
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
+def test_another_node_drops_a_part_its_rank0_passed_and_keeps_one_it_may_still_store(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Node 1's parts of steps 10, 20 and 30 when this attempt's rank 0 has recorded 20 only, and an
+    earlier attempt recorded 40: 20's part is stored, 10's (rank 0 passed it: it could not store it) is
+    dropped, 30's waits for rank 0 (another attempt's 40 says nothing of this one's order)."""
+    with session_scope(settings.database_url) as session:
+        job = stored_job(session, status=JobStatus.running, attempt=2)
+        for step, attempt in ((20, 2), (40, 1)):
+            key = f"jobs/{job.id}/attempt-{attempt}/checkpoints/step-{step}.tar"
+            session.add(
+                Checkpoint(
+                    id=new_id("ftckpt"), job_id=job.id, step=step, object_key=key, bytes=1, sha256="0" * 64
+                )
+            )
+        session.flush()
+        session.expunge(job)
+    local = tmp_path / "out" / "checkpoints"
+    for step in (10, 20, 30):
+        (local / f"checkpoint-{step}").mkdir(parents=True)
+        (local / f"checkpoint-{step}" / "rng_state_1.pth").write_bytes(b"rng")
+    store = store_of(settings)
+
+    distributed._upload_parts(settings, store, job, tmp_path, rank=1)
+
+    assert sorted(p.name for p in local.iterdir()) == ["checkpoint-30"]
+    with session_scope(settings.database_url) as session:
+        parts = {c.step: c.parts for c in session.query(Checkpoint).filter_by(job_id=job.id)}
+    assert parts == {20: [f"jobs/{job.id}/attempt-2/checkpoints/step-20.node-1.tar"], 40: None}
+    store.stat(parts[20][0])
