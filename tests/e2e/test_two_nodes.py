@@ -3,6 +3,7 @@ registered as two nodes, through torchrun with gloo; a failed rank, a lost rank-
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import time
@@ -26,6 +27,7 @@ from tests.support import (
     rows,
     wait_event,
     wait_for,
+    wait_until,
     worker_process,
     write_jsonl,
 )
@@ -66,6 +68,21 @@ def wait_released(client: Client) -> None:
     while any(n["free_devices"] != n["devices"] for n in client.get("/v1/nodes")["data"]):
         assert time.monotonic() < deadline, client.get("/v1/nodes")["data"]
         time.sleep(0.2)
+
+
+def ranks_of(job_id: str, attempt: int, node_rank: int) -> list[psutil.Process]:
+    """The rank processes (not their torchrun agent) one node runs for one attempt of a job."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(p.info["cmdline"] or [])
+        if (
+            "trainer_core.engine.launch" in cmdline
+            and f"{job_id}/attempt-{attempt}/node-{node_rank}/" in cmdline
+            and "torch.distributed.run" not in cmdline
+        ):
+            found.append(p)
+    assert found, f"no rank process found on node rank {node_rank}"
+    return found
 
 
 def losses(client: Client, job_id: str) -> list[float]:
@@ -167,14 +184,7 @@ def test_killing_one_rank_fails_the_attempt_with_its_error(settings: Settings, t
         while client.job(job["id"])["progress"]["step"] < 3:
             assert time.monotonic() < deadline, "the job did not start training"
             time.sleep(0.3)
-        victims = [
-            p
-            for p in psutil.process_iter(["cmdline"])
-            if "trainer_core.engine.launch" in " ".join(p.info["cmdline"] or [])
-            and f"{job['id']}/attempt-1/node-1/" in " ".join(p.info["cmdline"] or [])
-            and "torch.distributed.run" not in " ".join(p.info["cmdline"] or [])
-        ]
-        assert victims, "no rank process found on node rank 1"
+        victims = ranks_of(job["id"], attempt=1, node_rank=1)
         for p in victims:
             p.send_signal(signal.SIGKILL)
         done = wait_for(client, job["id"], TERMINAL, timeout=180)
@@ -196,7 +206,7 @@ def test_zero1_job_resumes_on_all_nodes_after_its_rank0_worker_dies(
     )
     with two_nodes(s, tmp_path) as (client, workers):
         train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(32)))
-        total, every = 120, 20
+        total, every = 80, 20
         job = client.create_job(
             model="tiny-bert",
             training_file=train["id"],
@@ -212,16 +222,30 @@ def test_zero1_job_resumes_on_all_nodes_after_its_rank0_worker_dies(
                 found = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job["id"])).all()
                 return sorted(c.step for c in found if len(c.parts or []) == 1)
 
-        wait_for(client, job["id"], {"running"}, timeout=60)  # the scheduler places it on its next round
-        deadline = time.monotonic() + 300
-        while len(complete_checkpoints()) < 2:
-            assert time.monotonic() < deadline, "no complete checkpoints"
+        def recorded() -> int:
+            with session_scope(s.database_url) as session:
+                return len(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job["id"])).all())
+
+        def running_first_attempt() -> bool:
             now = client.job(job["id"])
             assert (now["status"], now["attempt"]) == ("running", 1), now  # no lost attempt before the kill
-            time.sleep(0.3)
+            return True
+
+        wait_for(client, job["id"], {"running"}, timeout=60)  # the scheduler places it on its next round
+        wait_until("rank 0 recorded a checkpoint", lambda: running_first_attempt() and recorded() >= 1)
+        # node-b's ranks stopped hold every rank at its next collective, so the kill lands mid-training
+        # however far uploads run behind the steps (CI once saw the last step checkpointed first)
+        frozen = ranks_of(job["id"], attempt=1, node_rank=1)
+        for p in frozen:
+            p.send_signal(signal.SIGSTOP)
+        # node-b's worker still adds its part: a checkpoint that both nodes stored
+        wait_until("a complete checkpoint", lambda: running_first_attempt() and complete_checkpoints())
         before = complete_checkpoints()
         workers[0].kill()  # node-a held rank 0: its torchrun and ranks die with it
         workers[0].wait()
+        for p in frozen:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGCONT)
         with node_worker(s, tmp_path, "node-a"):  # the node comes back
             done = wait_for(client, job["id"], TERMINAL, timeout=400)
             assert done["status"] == "succeeded", done["error"]
