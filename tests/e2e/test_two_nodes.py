@@ -217,14 +217,11 @@ def test_zero1_job_resumes_on_all_nodes_after_its_rank0_worker_dies(
             distributed={"nodes": 2, "strategy": "zero1"},
         )
 
-        def complete_checkpoints() -> list[int]:
+        def checkpoint_steps(complete: bool) -> list[int]:
+            """Steps rank 0 recorded; with `complete`, only those node-b's part was added to."""
             with session_scope(s.database_url) as session:
                 found = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job["id"])).all()
-                return sorted(c.step for c in found if len(c.parts or []) == 1)
-
-        def recorded() -> int:
-            with session_scope(s.database_url) as session:
-                return len(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job["id"])).all())
+                return sorted(c.step for c in found if not complete or len(c.parts or []) == 1)
 
         def running_first_attempt() -> bool:
             now = client.job(job["id"])
@@ -232,15 +229,20 @@ def test_zero1_job_resumes_on_all_nodes_after_its_rank0_worker_dies(
             return True
 
         wait_for(client, job["id"], {"running"}, timeout=60)  # the scheduler places it on its next round
-        wait_until("rank 0 recorded a checkpoint", lambda: running_first_attempt() and recorded() >= 1)
+        wait_until(
+            "rank 0 recorded a checkpoint",
+            lambda: running_first_attempt() and checkpoint_steps(complete=False),
+        )
         # node-b's ranks stopped hold every rank at its next collective, so the kill lands mid-training
         # however far uploads run behind the steps (CI once saw the last step checkpointed first)
         frozen = ranks_of(job["id"], attempt=1, node_rank=1)
         for p in frozen:
             p.send_signal(signal.SIGSTOP)
         # node-b's worker still adds its part: a checkpoint that both nodes stored
-        wait_until("a complete checkpoint", lambda: running_first_attempt() and complete_checkpoints())
-        before = complete_checkpoints()
+        wait_until(
+            "a complete checkpoint", lambda: running_first_attempt() and checkpoint_steps(complete=True)
+        )
+        before = checkpoint_steps(complete=True)
         workers[0].kill()  # node-a held rank 0: its torchrun and ranks die with it
         workers[0].wait()
         for p in frozen:
