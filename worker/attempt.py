@@ -22,6 +22,8 @@ from ortune.db.repositories import EventRepository, FileRepository, JobRepositor
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from ortune.storage import StorageUnavailable
+from worker import results
+from worker.staging import store_of
 
 log = logging.getLogger(__name__)
 WORKER = f"{os.uname().nodename}:{os.getpid()}"
@@ -131,6 +133,8 @@ def device_env(kind: str, devices: list[int]) -> dict[str, str]:
 def finish(settings: Settings, job: Job, outcome: Outcome) -> None:
     """Write the attempt's outcome back through the lifecycle (a superseded attempt only says so)."""
     attempt = job.attempt
+    # stored before the transaction, which then only records it: no transaction spans a storage call
+    results = _store_results(settings, job) if outcome.status == JobStatus.succeeded else None
     with session_scope(settings.database_url) as session:
         match outcome.status:
             case None:
@@ -139,7 +143,8 @@ def finish(settings: Settings, job: Job, outcome: Outcome) -> None:
             case JobStatus.succeeded:
                 # fenced first: an attempt that was superseded while it finished attaches nothing
                 if lifecycle.succeed(session, job, attempt):
-                    _attach_results(session, settings, job)
+                    _attach_results(session, job, results)
+                    results = None
             case JobStatus.failed:
                 lifecycle.fail(
                     session, job.id, attempt, outcome.error or {"code": "unknown", "message": None}
@@ -151,22 +156,26 @@ def finish(settings: Settings, job: Job, outcome: Outcome) -> None:
             case _:
                 lifecycle.cancelled_stopped(session, job.id, attempt)
         lifecycle.nudge_search(session, settings, job)
+    if isinstance(results, File):  # not attached: the attempt was superseded as it finished
+        store_of(settings).delete(results.object_key)
 
 
-def _attach_results(session: Session, settings: Settings, job: Job) -> None:
-    """The job's step-metrics file (worker/results.py). Its model is stored already: a storage refusal
-    here costs the job that file only, said in its events."""
-    from worker import results
-    from worker.staging import store_of
-
+def _store_results(settings: Settings, job: Job) -> File | StorageUnavailable:
+    """The job's step-metrics file (worker/results.py), stored; its row is not added yet. The model is
+    stored already: a storage refusal here costs the job that file only."""
     try:
-        file = results.store(settings, store_of(settings), job)
+        return results.store(settings, store_of(settings), job)
     except StorageUnavailable as exc:
+        return exc
+
+
+def _attach_results(session: Session, job: Job, stored: File | StorageUnavailable | None) -> None:
+    if isinstance(stored, File):
+        results.record(session, job, stored)
+    elif stored is not None:
         EventRepository(session).add(
-            job.id, f"The step-metrics result file could not be stored: {exc}", level="warn"
+            job.id, f"The step-metrics result file could not be stored: {stored}", level="warn"
         )
-        return
-    results.record(session, job, file)
 
 
 def requeue(settings: Settings, job: Job, because: str) -> None:

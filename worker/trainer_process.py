@@ -331,52 +331,55 @@ class TrainerProcess:
             )
             return
         metrics = {k: v for k, v in (event.get("metrics") or {}).items() if isinstance(v, int | float)}
-        with session_scope(self.settings.database_url) as session:
-            if not self._fenced(session, f"checkpoint at step {step}", key):
-                return
-            CheckpointRepository(session).add(
-                Checkpoint(
-                    id=new_id("ftckpt"),
-                    job_id=self.job.id,
-                    step=step,
-                    object_key=key,
-                    bytes=size,
-                    sha256=digest,
-                    metrics=metrics,
-                )
-            )
+        checkpoint = Checkpoint(
+            id=new_id("ftckpt"),
+            job_id=self.job.id,
+            step=step,
+            object_key=key,
+            bytes=size,
+            sha256=digest,
+            metrics=metrics,
+        )
+        if not self._record(
+            f"checkpoint at step {step}", key, lambda s: CheckpointRepository(s).add(checkpoint)
+        ):
+            return
         self.relay.message(f"Checkpoint at step {step} stored ({size:,} bytes)", data={"step": step})
         self.relay.flush()  # the step's metrics are in before retention reads them
         retention.apply(self.settings, self.store, self.job)
 
-    def _fenced(self, session: Session, what: str, key: str) -> bool:
-        """True while this attempt is the job's live one (held so until the caller's transaction ends);
-        otherwise the object it stored is deleted and nothing is recorded."""
-        if JobRepository(session).holds(self.job.id, self.job.attempt):
-            return True
-        log.warning(
-            "job %s: attempt %s was superseded; its %s is dropped", self.job.id, self.job.attempt, what
-        )
-        self.store.delete(key)
-        return False
+    def _record(self, what: str, key: str, write: Callable[[Session], None]) -> bool:
+        """Record a stored object (`write` adds its row) while this attempt is the job's live one (held so
+        until the row is in); a superseded attempt records nothing and deletes the object. False then.
+
+        The delete waits for the transaction's end: no transaction of the worker spans a storage call, which
+        on SQLite would hold the deployment's one write lock, and on Postgres the job's row, for as long as
+        storage takes (tests/worker/test_transactions.py)."""
+        with session_scope(self.settings.database_url) as session:
+            live = JobRepository(session).holds(self.job.id, self.job.attempt)
+            if live:
+                write(session)
+        if not live:
+            log.warning(
+                "job %s: attempt %s was superseded; its %s is dropped", self.job.id, self.job.attempt, what
+            )
+            self.store.delete(key)
+        return live
 
     def _upload_artifact(self, event: dict[str, Any]) -> None:
         fmt, path = str(event["format"]), Path(str(event["path"]))
         key = f"{attempt_prefix(self.job)}/artifacts/{fmt}.tar"
         size, digest = self._store_dir(path, fmt, key)
-        with session_scope(self.settings.database_url) as session:
-            if not self._fenced(session, f"{fmt} model", key):
-                return
-            ArtifactRepository(session).put(
-                Artifact(
-                    job_id=self.job.id,
-                    format=fmt,
-                    object_key=key,
-                    bytes=size,
-                    sha256=digest,
-                    manifest=event.get("manifest") or {},
-                )
-            )
+        artifact = Artifact(
+            job_id=self.job.id,
+            format=fmt,
+            object_key=key,
+            bytes=size,
+            sha256=digest,
+            manifest=event.get("manifest") or {},
+        )
+        if not self._record(f"{fmt} model", key, lambda s: ArtifactRepository(s).put(artifact)):
+            return
         self.artifacts.add(fmt)
         self.relay.message(f"Stored the {fmt} model ({size:,} bytes, sha256 {digest[:12]}…)")
         for run in self.tracking:
