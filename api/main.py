@@ -46,12 +46,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Managed fine-tuning jobs in OpenAI's REST shapes, trained with ONNX Runtime.",
     )
     app.state.settings = settings
-    limits = {
-        "lock_timeout": settings.api_lock_timeout_ms,
-        "statement_timeout": settings.api_statement_timeout_ms,
-        "idle_in_transaction_session_timeout": settings.api_idle_in_transaction_timeout_ms,
-    }
-    limit_postgres_sessions(settings.database_url, limits)
+    limits = settings.session_limits("api")
+    limit_postgres_sessions(settings.database_url, limits, application_name="ortune-api")
     app.state.store = open_store(
         settings.storage_url,
         access_key=settings.s3_access_key,

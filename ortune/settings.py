@@ -81,6 +81,14 @@ class Settings(BaseSettings):
     api_lock_timeout_ms: int = Field(default=5_000, ge=1)
     api_statement_timeout_ms: int = Field(default=30_000, ge=1)
     api_idle_in_transaction_timeout_ms: int = Field(default=60_000, ge=1)
+    # And on every worker connection: a worker frozen inside a transaction (SIGSTOP, a VM pause) loses it
+    # after worker_idle_in_transaction_timeout_ms, so its row locks go before the heartbeat timeout, when
+    # the sweep (which skips locked rows) comes to requeue its job. No worker transaction waits on anything
+    # but the database, so a few seconds idle is already a frozen worker. Default: 10 s, or half the
+    # heartbeat timeout where that is shorter.
+    worker_lock_timeout_ms: int = Field(default=30_000, ge=1)
+    worker_statement_timeout_ms: int = Field(default=60_000, ge=1)
+    worker_idle_in_transaction_timeout_ms: int | None = Field(default=None, ge=1)
 
     # Reliability: a running attempt beats every heartbeat_seconds; one silent for heartbeat_timeout_seconds
     # is lost and its job requeued (resuming from its last checkpoint) until max_attempts attempts are lost.
@@ -130,6 +138,13 @@ class Settings(BaseSettings):
                 f"ORTUNE_RENDEZVOUS_PORT_MIN ({self.rendezvous_port_min}) is above "
                 f"ORTUNE_RENDEZVOUS_PORT_MAX ({self.rendezvous_port_max})"
             )
+        idle = self.worker_idle_in_transaction_timeout_ms
+        if idle is not None and idle >= self.heartbeat_timeout_seconds * 1000:
+            raise ValueError(
+                f"ORTUNE_WORKER_IDLE_IN_TRANSACTION_TIMEOUT_MS ({idle}) must be under "
+                f"ORTUNE_HEARTBEAT_TIMEOUT_SECONDS ({self.heartbeat_timeout_seconds:g} s): a frozen "
+                "worker's row locks would outlast its heartbeat, and the sweep would pass its job by"
+            )
         data = self.data_dir.resolve()
         if not self.database_url:
             self.database_url = f"sqlite:///{data / 'ortune.db'}"
@@ -178,6 +193,17 @@ class Settings(BaseSettings):
     @property
     def node_queue(self) -> str:
         return f"{self.queue}.node.{self.node_name}"
+
+    def session_limits(self, role: str) -> dict[str, int]:
+        """The Postgres session settings (ms) of every connection of `role` (`api` or `worker`)."""
+        idle = getattr(self, f"{role}_idle_in_transaction_timeout_ms")
+        if idle is None:  # the worker's default follows its heartbeat timeout (read now: copies change it)
+            idle = int(min(10_000, self.heartbeat_timeout_seconds * 500))
+        return {
+            "lock_timeout": getattr(self, f"{role}_lock_timeout_ms"),
+            "statement_timeout": getattr(self, f"{role}_statement_timeout_ms"),
+            "idle_in_transaction_session_timeout": idle,
+        }
 
     @property
     def embedded(self) -> bool:

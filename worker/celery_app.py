@@ -7,6 +7,7 @@ from typing import Any
 
 from celery.signals import worker_init, worker_ready, worker_shutdown, worker_shutting_down
 
+from ortune.db.session import limit_postgres_sessions, worker_application_name
 from ortune.queue import celery_app, declare_queues
 from ortune.settings import get_settings
 
@@ -14,7 +15,7 @@ app = celery_app()
 
 import worker.tasks  # noqa: E402,F401  (registers the tasks on app)
 from worker import distributed  # noqa: E402
-from worker.attempt import DRAINING  # noqa: E402
+from worker.attempt import DRAINING, WORKER  # noqa: E402
 from worker.sweep import Sweeper, reap_predecessors  # noqa: E402
 
 _sweeper: list[Sweeper] = []
@@ -22,8 +23,13 @@ _sweeper: list[Sweeper] = []
 
 @worker_init.connect
 def _declare_queues(**_: Any) -> None:
-    # before the consumer declares them itself, which on the embedded broker dies if it loses a race
     settings = get_settings()
+    limit_postgres_sessions(
+        settings.database_url,
+        settings.session_limits("worker"),
+        application_name=worker_application_name(WORKER),
+    )
+    # before the consumer declares them itself, which on the embedded broker dies if it loses a race
     declare_queues(settings, settings.queue, settings.node_queue)
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import IO, Any
 
-from sqlalchemy.exc import OperationalError
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from sqlalchemy.exc import DBAPIError, OperationalError
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from ortune.db.base import utcnow
 from ortune.db.models import JobStatus
@@ -34,6 +34,12 @@ SERIES = (
     "eval_reward_accuracy",
     "eval_preference_accuracy",
 )
+
+
+def _connection_lost(exc: BaseException) -> bool:
+    """The database did not answer, or ended this connection (an idle-in-transaction timeout, or the
+    sweep ending the transactions of a worker it gave up for lost): a new connection may do."""
+    return isinstance(exc, OperationalError) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
 
 
 def reader(stream: IO[str], out: queue.Queue[dict[str, Any] | None], log: IO[str]) -> threading.Thread:
@@ -163,7 +169,7 @@ class Relay:
         the batch stays pending until it is written, so nothing is lost. Past that the OperationalError is
         raised: the caller gives the attempt up, as the sweep would once its heartbeat stopped."""
         retrying = Retrying(
-            retry=retry_if_exception_type(OperationalError),
+            retry=retry_if_exception(_connection_lost),
             wait=wait_exponential(multiplier=0.2, max=5),
             stop=stop_after_delay(self.patience_s),
             reraise=True,

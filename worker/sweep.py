@@ -2,7 +2,8 @@
 
 - A running attempt whose heartbeat stopped (its worker died, or lost the database for too long) is marked
   lost and the job queued again as a new attempt, which resumes from the latest checkpoint; after
-  `max_attempts` lost attempts the job fails instead.
+  `max_attempts` lost attempts the job fails instead. A silent worker's open transactions are ended first
+  (Postgres), so a worker frozen inside one cannot keep its job's row from the sweep.
 - A queued job that no worker took (its message never reached the broker, or died with a Redis that was
   restarted) is sent again; the claim's compare-and-set makes a duplicate message harmless.
 - A paused job whose worker died while it checkpointed is let go of (it resumes from its latest checkpoint),
@@ -21,16 +22,22 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import psutil
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from ortune import lifecycle
 from ortune.db.base import utcnow
 from ortune.db.models import Job, JobStatus
 from ortune.db.repositories import IdempotencyRepository, JobRepository, NodeRepository
-from ortune.db.session import session_scope
+from ortune.db.session import (
+    CannotEndTransactions,
+    end_transactions_of,
+    session_scope,
+    worker_application_name,
+)
 from ortune.queue import enqueue_for, on_commit
 from ortune.settings import Settings
 from worker import scheduler
@@ -48,6 +55,7 @@ class Report:
     let_go: list[str] = field(default_factory=list)  # paused jobs whose pausing worker was lost
     released: int = 0  # device assignments of attempts that were over
     expired_keys: int = 0
+    ended_transactions: dict[str, int] = field(default_factory=dict)  # of silent workers, by worker
 
 
 def _lost(session: Session, settings: Settings, job: Job, report: Report, *, gone: bool = False) -> None:
@@ -66,11 +74,26 @@ def _pause_lost(session: Session, job: Job, report: Report) -> None:
         report.let_go.append(job.id)
 
 
+def _end_transactions_of_silent_workers(settings: Settings, since: datetime, report: Report) -> None:
+    """A worker frozen inside a transaction (SIGSTOP, a VM pause) holds its job's row, which the locked
+    selects below skip: its open transactions are ended first, so the next round finds the job."""
+    with session_scope(settings.database_url) as session:
+        silent = JobRepository(session).silent_workers(since)
+    for worker in silent:
+        try:
+            with session_scope(settings.database_url) as session:
+                if ended := end_transactions_of(session, worker_application_name(worker)):
+                    report.ended_transactions[worker] = ended
+        except (DBAPIError, CannotEndTransactions) as exc:  # another database role's connections
+            log.warning("could not end the transactions of silent worker %s: %s", worker, exc)
+
+
 def sweep(settings: Settings) -> Report:
     report = Report()
     now = utcnow()
+    since = now - timedelta(seconds=settings.heartbeat_timeout_seconds)
+    _end_transactions_of_silent_workers(settings, since, report)
     with session_scope(settings.database_url) as session:
-        since = now - timedelta(seconds=settings.heartbeat_timeout_seconds)
         for job in JobRepository(session).silent_running(since):
             _lost(session, settings, job, report)
         for job in JobRepository(session).silent_paused(since):
@@ -98,7 +121,16 @@ def sweep(settings: Settings) -> Report:
     with session_scope(settings.database_url) as session:
         cutoff = now - timedelta(hours=settings.idempotency_key_hours)
         report.expired_keys = IdempotencyRepository(session).expire_before(cutoff)
-    if report.requeued or report.failed or report.resent or report.let_go or report.released:
+    if any(
+        (
+            report.requeued,
+            report.failed,
+            report.resent,
+            report.let_go,
+            report.released,
+            report.ended_transactions,
+        )
+    ):
         log.info("sweep: %s", report)
     return report
 

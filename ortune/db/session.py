@@ -44,23 +44,61 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True, **POOL)
 
 
-def limit_postgres_sessions(url: str, limits: dict[str, int]) -> None:
-    """Set `limits` (`lock_timeout`, `statement_timeout`, `idle_in_transaction_session_timeout`, in ms) on
-    every connection this process opens to `url` from now on; the API calls it at start. SQLite: nothing."""
-    for engine in (session_factory(url).kw["bind"], read_session_factory(url).kw["bind"]):
-        if engine.dialect.name != "postgresql":
-            return
+def limit_postgres_sessions(url: str, limits: dict[str, int], *, application_name: str) -> None:
+    """Set `limits` (`lock_timeout`, `statement_timeout`, `idle_in_transaction_session_timeout`, in ms) and
+    `application_name` (what `pg_stat_activity` shows an operator) on every connection this process opens
+    to `url` from now on; the API and each worker call it at start. SQLite: nothing."""
+    engine = make_engine(url)  # the sessions' and the autocommit reads' engines share its pool
+    if engine.dialect.name != "postgresql":
+        return
 
-        def apply(dbapi_conn: Any, _record: Any) -> None:
-            # in autocommit: a SET inside a transaction that is later rolled back would be undone with it
-            dbapi_conn.autocommit = True
-            with dbapi_conn.cursor() as cur:
-                for name, ms in limits.items():
-                    cur.execute(f"SET {name} = {int(ms)}")
-            dbapi_conn.autocommit = False
+    def apply(dbapi_conn: Any, _record: Any) -> None:
+        # in autocommit: a SET inside a transaction that is later rolled back would be undone with it
+        dbapi_conn.autocommit = True
+        with dbapi_conn.cursor() as cur:
+            for name, ms in limits.items():
+                cur.execute(f"SET {name} = {int(ms)}")
+            cur.execute("SELECT set_config('application_name', %s, false)", (application_name,))
+        dbapi_conn.autocommit = False
 
-        event.listen(engine.pool, "connect", apply)
-        engine.pool.dispose()  # connections opened before now get the limits too, as they are opened again
+    event.listen(engine.pool, "connect", apply)
+    engine.pool.dispose()  # connections opened before now get the limits too, as they are opened again
+
+
+def worker_application_name(worker: str) -> str:
+    """How a worker's connections name themselves to Postgres (`pg_stat_activity.application_name`)."""
+    return f"ortune-worker {worker}"
+
+
+class CannotEndTransactions(RuntimeError):
+    """This connection's role may not see or signal another role's connections."""
+
+
+def end_transactions_of(session: Session, application_name: str) -> int:
+    """Terminate the connections of `application_name` that are inside a transaction, so the row locks
+    they hold go; how many (always 0 on SQLite, which has no server to end them).
+
+    For a worker given up for lost: its idle-in-transaction timeout does not fire while it is frozen
+    midway through a pipelined batch (psycopg's `executemany`: Postgres waits for the batch's Sync, its
+    timer not started), and a frozen client never reads a socket that filled. Needs the worker's role, or
+    `pg_signal_backend` and `pg_read_all_stats` (another role's sessions show no state without it);
+    otherwise `CannotEndTransactions` (or the server's refusal) is raised for the caller to report."""
+    if session.get_bind().dialect.name != "postgresql":
+        return 0
+    rows = session.execute(
+        text(
+            "SELECT pid, usename, state IS NULL FROM pg_stat_activity WHERE application_name = :name "
+            "AND pid <> pg_backend_pid() AND (xact_start IS NOT NULL OR state IS NULL)"
+        ),
+        {"name": application_name},
+    ).all()
+    if hidden := sorted({str(role) for _, role, unseen in rows if unseen}):
+        raise CannotEndTransactions(
+            f"this database role cannot see the state of {application_name}'s connections (role "
+            f"{', '.join(hidden)}): connect as that role, or grant pg_signal_backend and pg_read_all_stats"
+        )
+    kill = text("SELECT pg_terminate_backend(:pid)")
+    return sum(bool(session.execute(kill, {"pid": pid}).scalar()) for pid, _, _ in rows)
 
 
 @lru_cache(maxsize=8)

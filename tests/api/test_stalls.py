@@ -150,12 +150,14 @@ def test_every_api_connection_is_bounded(settings: Settings) -> None:
     from ortune.db.session import limit_postgres_sessions
 
     names = ("lock_timeout", "statement_timeout", "idle_in_transaction_session_timeout")
-    limit_postgres_sessions(settings.database_url, dict(zip(names, (1234, 5678, 9012), strict=True)))
+    limit_postgres_sessions(
+        settings.database_url, dict(zip(names, (1234, 5678, 9012), strict=True)), application_name="ortune-x"
+    )
     with session_scope(settings.database_url) as session:
         session.execute(text("SELECT 1"))
         session.rollback()  # a SET made inside a transaction would be undone by this
-        shown = [session.execute(text(f"SHOW {name}")).scalar() for name in names]
-    assert shown == ["1234ms", "5678ms", "9012ms"]
+        shown = [session.execute(text(f"SHOW {name}")).scalar() for name in (*names, "application_name")]
+    assert shown == ["1234ms", "5678ms", "9012ms", "ortune-x"]
 
 
 def test_a_write_waiting_past_the_lock_timeout_is_a_503_database_busy(

@@ -14,14 +14,14 @@ from typing import Any
 import psutil
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from api.main import create_app
 from ortune.cli import embedded
 from ortune.cli.client import Client
 from ortune.db.migrate import upgrade
 from ortune.db.models import Artifact, Checkpoint
-from ortune.db.session import session_scope
+from ortune.db.session import make_engine, session_scope
 from ortune.settings import Settings
 from tests import services
 from tests.support import (
@@ -181,6 +181,74 @@ def test_a_frozen_worker_that_wakes_after_its_job_moved_on_writes_nothing(
     # and the woken worker found itself superseded (its reports dropped at the fence, or its trainer stopped
     # before it reported more: which comes first is a race), as its own log says
     assert "superseded" in (tmp_path / "logs" / "worker.log").read_text()
+
+
+def backends(s: Settings, where: str) -> list[tuple[Any, ...]]:
+    """The worker's Postgres sessions (pid, state, waiting on, query) as pg_stat_activity shows them."""
+    with session_scope(s.database_url) as session:
+        rows = session.execute(
+            text(
+                "SELECT pid, state, wait_event_type, query FROM pg_stat_activity "
+                f"WHERE application_name LIKE 'ortune-worker %' AND {where}"
+            )
+        )
+        return [tuple(row) for row in rows]
+
+
+@pytest.mark.parametrize("config", ["production"], indirect=True)  # SQLite: tests/worker/test_transactions
+def test_a_worker_frozen_inside_a_transaction_loses_it_and_its_job_is_requeued(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A worker stopped (SIGSTOP) between a write and its commit, holding the job's row (the relay's fence,
+    FOR SHARE), which the sweep's locked select skips. The relay's metric batch is pipelined (psycopg's
+    executemany), and Postgres does not start the idle-in-transaction timer before the batch's end, so the
+    sweep ends the silent worker's transactions itself; the next round requeues the job. Before, the job
+    stayed "running" on the frozen worker for as long as it was frozen. To freeze it there for certain, the
+    test holds the metrics table while the relay writes, stops the worker while its insert waits, then lets
+    the insert through. (Heartbeat timeout 10 s, not FAST_SWEEP's 4: on 2 busy cores a worker starting a
+    job has gone 4 s without a beat, and would be requeued before the test could freeze it.)"""
+    s = settings.model_copy(
+        update=FAST_SWEEP | {"heartbeat_timeout_seconds": 10.0, "worker_idle_in_transaction_timeout_ms": 3000}
+    )
+    other = s.model_copy(update={"node_name": "other-node"})
+    with (
+        embedded.start(s, log_dir=tmp_path / "logs") as running,
+        worker_process(other, "second", tmp_path / "logs" / "worker2.log"),
+    ):
+        client = Client(s.api_url)
+        job = submit(client, tmp_path, 300, 50)
+        wait_until("training", lambda: client.job(job["id"])["progress"]["step"] >= 5)
+        worker = psutil.Process(running.procs[0].pid)
+        frozen = [worker, *worker.children(recursive=True)]
+        holder = make_engine(s.database_url).connect()
+        try:
+            with holder.begin():
+                holder.execute(text("LOCK TABLE job_metrics IN SHARE MODE"))
+                wait_until(
+                    "the relay's insert to wait on the lock",
+                    lambda: backends(s, "wait_event_type = 'Lock' AND query LIKE '%job_metrics%'"),
+                    timeout=60,
+                )
+                for proc in frozen:
+                    proc.suspend()
+            idle = wait_until(
+                "the frozen worker's transaction to sit idle, holding the job's row",
+                lambda: backends(s, "state = 'idle in transaction'"),
+                timeout=30,
+            )
+            wait_event(client, job["id"], "Attempt 1 lost", timeout=60)
+            ended = not backends(s, f"pid = {idle[0][0]}")  # the sweep ended the frozen transaction
+            for proc in frozen:
+                proc.resume()
+            done = wait_for(client, job["id"], TERMINAL, timeout=300)
+            assert done["status"] == "succeeded" and done["attempt"] == 2, done["error"]
+            assert_steps_contiguous(client, job["id"], 300)
+        finally:
+            holder.close()
+            for proc in frozen:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.resume()
+    assert ended
 
 
 @pytest.mark.parametrize("config", ["embedded"], indirect=True)

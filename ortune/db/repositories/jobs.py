@@ -121,6 +121,16 @@ class JobRepository(Repository):
         )
         return self.session.scalars(stmt.with_for_update(skip_locked=True)).all()
 
+    def silent_workers(self, since: datetime) -> Sequence[str]:
+        """The workers holding a running or paused attempt that has not beaten since `since` (not locked:
+        their own transactions may hold those rows)."""
+        stmt = select(Job.worker).where(
+            Job.status.in_([JobStatus.running, JobStatus.paused]),
+            Job.worker.is_not(None),
+            Job.heartbeat_at < since,
+        )
+        return sorted({w for w in self.session.scalars(stmt.distinct()) if w})
+
     def held_on_host(self, host: str) -> Sequence[Job]:
         """Running or paused attempts held by a worker of `host` (workers are named `host:pid`), locked
         (others skipped)."""
