@@ -24,8 +24,8 @@ PAUSABLE = (JobStatus.queued, JobStatus.running)
 RUNNING = (JobStatus.running,)
 
 
-def _resume_point(session: Session, job_id: str, *, none: str) -> tuple[str, dict[str, Any]]:
-    latest = CheckpointRepository(session).latest(job_id)
+def _resume_point(session: Session, job: Job, *, none: str) -> tuple[str, dict[str, Any]]:
+    latest = next(iter(CheckpointRepository(session).complete(job.id, job.spec.distributed.nodes)), None)
     where = f"the checkpoint at step {latest.step}" if latest else none
     return where, {"checkpoint_step": latest.step if latest else None}
 
@@ -108,7 +108,7 @@ def fail(session: Session, job_id: str, attempt: int | None, error: dict[str, An
 
 def requeue_drained(session: Session, settings: Settings, job: Job, attempt: int, worker: str) -> bool:
     """running -> queued: the worker shut down after checkpointing; the job goes on elsewhere."""
-    where, data = _resume_point(session, job.id, none="the start")
+    where, data = _resume_point(session, job, none="the start")
     if not JobRepository(session).transition(
         job.id, JobStatus.queued, only_from=RUNNING, on_attempt=attempt, worker=None, enqueued_at=None
     ):
@@ -141,7 +141,7 @@ def requeue_lost(
         )
     else:
         said = f"Attempt {job.attempt} lost: worker {job.worker} sent no heartbeat for {silent_s:.0f}s"
-    where, resume = _resume_point(session, job.id, none="the start (no checkpoint stored)")
+    where, resume = _resume_point(session, job, none="the start (no checkpoint stored)")
     data = {"attempt": job.attempt, "last_step": job.step, **resume, "lost_attempts": lost}
     if lost >= settings.max_attempts:
         message = f"{said}; {lost} attempts were lost, the limit is {settings.max_attempts}"
@@ -194,7 +194,7 @@ def pause(session: Session, job: Job) -> bool:
 def paused_stopped(session: Session, job: Job, attempt: int) -> bool:
     """The paused job's trainer checkpointed and exited: the worker lets go of it."""
     said, none = "Paused; the worker is free", "the start (no checkpoint yet)"
-    return _let_go_paused(session, job.id, attempt, said, none, "info")
+    return _let_go_paused(session, job, attempt, said, none, "info")
 
 
 def pause_lost(session: Session, job: Job) -> bool:
@@ -204,12 +204,13 @@ def pause_lost(session: Session, job: Job) -> bool:
         f"Paused; worker {job.worker} was lost while it checkpointed",
         "the start (no checkpoint stored)",
     )
-    return _let_go_paused(session, job.id, job.attempt, said, none, "warn")
+    return _let_go_paused(session, job, job.attempt, said, none, "warn")
 
 
-def _let_go_paused(session: Session, job_id: str, attempt: int, said: str, none: str, level: str) -> bool:
+def _let_go_paused(session: Session, job: Job, attempt: int, said: str, none: str, level: str) -> bool:
     """paused -> paused without its worker: the job is let go of, to resume from its latest checkpoint."""
-    where, data = _resume_point(session, job_id, none=none)
+    job_id = job.id
+    where, data = _resume_point(session, job, none=none)
     if not JobRepository(session).transition(
         job_id, JobStatus.paused, only_from=[JobStatus.paused], on_attempt=attempt, worker=None
     ):

@@ -178,6 +178,17 @@ def _attach_results(session: Session, job: Job, stored: File | StorageUnavailabl
         )
 
 
+def requeue_unstorable(settings: Settings, job: Job, exc: StorageUnavailable, what: str) -> str:
+    """Object storage refused a write this attempt must have (`what`: a model, a tokenized store, a node's
+    checkpoint part): the job goes on as a new attempt from its last complete checkpoint, now rather than
+    after the heartbeat timeout, and a store that stays down fails it after `max_attempts`. Any node of the
+    attempt may say so; the others find it superseded and stop."""
+    log.warning("job %s: object storage refused %s; requeued", job.id, what, exc_info=exc)
+    requeue(settings, job, f"object storage refused a write of {what} ({exc})")
+    release(settings, job, settings.node_name, 1, "storage_unavailable")
+    return "requeued"
+
+
 def requeue(settings: Settings, job: Job, because: str) -> None:
     """This attempt cannot go on for a fault outside the job: a new attempt, as for a lost one."""
     with session_scope(settings.database_url) as session:

@@ -32,7 +32,7 @@ from ortune.db.repositories import (
 )
 from ortune.db.session import session_scope
 from ortune.settings import Settings
-from ortune.storage import ObjectStore, pack_dir
+from ortune.storage import ObjectStore, StorageUnavailable, pack_dir
 from trainer_core.contract import log_tail
 from worker import attempt, runner
 from worker.attempt import WORKER, Claimed, Heartbeat, Outcome
@@ -188,6 +188,9 @@ def _lead(
         log.warning("job %s: lost the database; its attempt is left to the sweep", job.id, exc_info=True)
         heartbeat.stop()
         return "lost"
+    except StorageUnavailable as exc:  # its ranks are dead already (TrainerProcess kills them first)
+        heartbeat.stop()
+        return attempt.requeue_unstorable(settings, job, exc, "rank 0's output")
     except Exception as exc:
         log.exception("job %s failed on rank 0", job.id)
         outcome = Outcome.worker_error(exc)
@@ -324,15 +327,24 @@ def _follow(settings: Settings, job: Job, workdir: Path, command: list[str], tas
         store = store_of(settings)
         try:
             _watch_ranks(settings, job, workdir, rank, proc, store)
-        except BaseException:
+        except BaseException as exc:
+            # requeued before its ranks die: rank 0 then finds the attempt superseded, not failed
+            requeued = isinstance(exc, StorageUnavailable) and attempt.requeue_unstorable(
+                settings, job, exc, f"node rank {rank}'s checkpoint part"
+            )
             signal_group(proc, signal.SIGKILL)  # never ranks orphaned on the devices
             proc.wait()
             watch.stop()
+            if requeued:
+                return requeued
             raise
         code = proc.wait()
         peak = watch.stop()
         if code == 0:
-            _upload_last_parts(settings, store, job, workdir, rank)
+            try:
+                _upload_last_parts(settings, store, job, workdir, rank)
+            except StorageUnavailable as exc:
+                return attempt.requeue_unstorable(settings, job, exc, f"node rank {rank}'s checkpoint part")
     error = None
     if watch.exceeded:
         error = (

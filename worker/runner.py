@@ -50,16 +50,10 @@ def run(settings: Settings, job_id: str) -> str:
         heartbeat.stop()
         clear(settings, attempt_dir(settings, job), staged)
         return "lost"
-    except StorageUnavailable as exc:
-        # Object storage refused a write it must have (a model, a tokenized store): the trainer is dead
-        # already; the job goes on as a new attempt from its last stored checkpoint, now rather than after
-        # the heartbeat timeout, and a store that stays down fails it after max_attempts.
-        log.warning("job %s: object storage unavailable; requeued", job_id, exc_info=True)
+    except StorageUnavailable as exc:  # a model or a tokenized store; the trainer is dead already
         heartbeat.stop()
-        attempt.requeue(settings, job, f"object storage refused a write ({exc})")
-        attempt.release(settings, job, settings.node_name, 1, "storage_unavailable")
         clear(settings, attempt_dir(settings, job), staged)
-        return "requeued"
+        return attempt.requeue_unstorable(settings, job, exc, "this attempt's output")
     except Exception as exc:
         log.exception("job %s failed in the worker", job_id)
         outcome = Outcome.worker_error(exc)

@@ -186,8 +186,7 @@ def resume_point(
     with session_scope(settings.database_url) as session:
         complete: list[tuple[int, dict[str, str | None]]] = [
             (c.step, {c.object_key: c.sha256, **{k: (c.part_sha256 or {}).get(k) for k in c.parts or []}})
-            for c in CheckpointRepository(session).newest_first(job.id)
-            if len(c.parts or []) >= nodes - 1
+            for c in CheckpointRepository(session).complete(job.id, nodes)
         ]
     found: Path | None = None
     step = 0

@@ -5,18 +5,20 @@ the other nodes of a job drop the parts their rank 0 could not store."""
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from ortune.db.base import new_id
-from ortune.db.models import Checkpoint, JobEvent, JobStatus
+from ortune.db.models import Checkpoint, Job, JobEvent, JobStatus
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from ortune.storage import ObjectStore
 from tests.support import job_spec, rows, stored_job, tokenized_spec, wait_until
-from trainer_core.spec import Hyperparameters
+from trainer_core.spec import Distributed, Hyperparameters
 from worker import distributed
 from worker.staging import store_of
 from worker.trainer_process import TrainerProcess
@@ -96,3 +98,47 @@ def test_another_node_drops_a_part_its_rank0_passed_and_keeps_one_it_may_still_s
         parts = {c.step: c.parts for c in session.query(Checkpoint).filter_by(job_id=job.id)}
     assert parts == {20: [f"jobs/{job.id}/attempt-2/checkpoints/step-20.node-1.tar"], 40: None}
     store.stat(parts[20][0])
+
+
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
+def test_a_part_storage_refuses_requeues_the_job_from_its_last_checkpoint(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Node 1's ranks checkpoint step 20, which rank 0 has recorded, and storage refuses node 1's part (a
+    directory stands where it must go): the attempt is requeued at once, as when a single node cannot
+    store its model, and the ranks are stopped. Before, the refusal escaped the node's task and the job
+    failed when rank 0 found its peer gone."""
+    with session_scope(settings.database_url) as session:
+        two_nodes = job_spec(distributed=Distributed(nodes=2, procs_per_node=1))
+        job = stored_job(session, status=JobStatus.running, attempt=1, worker="rank0:1", spec=two_nodes)
+        key = f"jobs/{job.id}/attempt-1/checkpoints/step-20.tar"
+        session.add(
+            Checkpoint(id=new_id("ftckpt"), job_id=job.id, step=20, object_key=key, bytes=1, sha256="0" * 64)
+        )
+        session.flush()
+        session.expunge(job)
+    root = Path(settings.storage_url.removeprefix("file://"))
+    (root / f"jobs/{job.id}/attempt-1/checkpoints/step-20.node-1.tar/in-the-way").mkdir(parents=True)
+    ranks = tmp_path / "ranks.py"  # what torchrun and its ranks do here: write a checkpoint, train on
+    ranks.write_text(
+        "import pathlib, time\n"
+        "p = pathlib.Path('out/checkpoints/checkpoint-20')\n"
+        "p.mkdir(parents=True)\n"
+        "(p / 'rng_state_1.pth').write_bytes(b'rng')\n"
+        "time.sleep(120)\n"
+    )
+    task = {"node_rank": 1, "devices": [0], "nproc_per_node": 1}
+    started = time.monotonic()
+
+    said = distributed._follow(settings, job, tmp_path, [sys.executable, str(ranks)], task)
+
+    assert said == "requeued"
+    assert time.monotonic() - started < 60  # the ranks were stopped, not waited for
+    with session_scope(settings.database_url) as session:
+        current = session.get(Job, job.id)
+        messages = [e.message for e in session.query(JobEvent).filter_by(job_id=job.id)]
+    assert current is not None and current.status == JobStatus.queued
+    lost = next(m for m in messages if m.startswith("Attempt 1 lost"))
+    assert "object storage refused a write of node rank 1's checkpoint part" in lost
+    # step 20 is not complete without node 1's part: the event names where the next attempt really starts
+    assert "resuming from the start" in lost

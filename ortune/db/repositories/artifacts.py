@@ -47,9 +47,10 @@ class CheckpointRepository(Repository):
         stmt = select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
         return self.session.scalars(stmt).first()
 
-    def latest(self, job_id: str) -> Checkpoint | None:
-        stmt = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())
-        return self.session.scalars(stmt.limit(1)).first()
+    def complete(self, job_id: str, nodes: int) -> list[Checkpoint]:
+        """The checkpoints a resume can use, newest first: rank 0's archive and the parts of the job's
+        `nodes - 1` other nodes all stored."""
+        return [c for c in self.newest_first(job_id) if len(c.parts or []) >= nodes - 1]
 
     def list(self, job_id: str, *, after: str | None, limit: int) -> tuple[list[Checkpoint], bool]:
         stmt = select(Checkpoint).where(Checkpoint.job_id == job_id)
