@@ -96,6 +96,9 @@ class Settings(BaseSettings):
     heartbeat_timeout_seconds: float = 60.0
     max_attempts: int = Field(default=3, ge=1)
     sweep_seconds: float = 10.0
+    # A worker that lost the broker tries again every broker_reconnect_max_seconds at most (kombu's own
+    # backoff grows by 2 s a try up to 30 s: workers sat idle for 20 s and more after Redis came back).
+    broker_reconnect_max_seconds: float = Field(default=2.0, gt=0)
     # A queued job nobody has taken this long is sent to the broker again (a message lost with Redis).
     requeue_after_seconds: float = 300.0
     pause_grace_seconds: float = 120.0  # for the trainer to checkpoint and exit when paused

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -353,6 +354,34 @@ def test_redis_restart_loses_no_job(settings: Settings, tmp_path: Path) -> None:
     assert first["status"] == "succeeded", first["error"]
     assert second["status"] == "succeeded", second["error"]
     assert first["attempt"] == 1 and second["attempt"] == 1
+
+
+@pytest.mark.parametrize("config", ["production"], indirect=True)  # Redis: the embedded broker is a file
+def test_a_worker_tries_a_lost_broker_again_within_its_bound_and_takes_work_at_once(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Redis down for as long as it takes the worker to try five times: every wait between tries is at most
+    `broker_reconnect_max_seconds` (Celery's own: 2, 4, 6, 8 s and up to 30, so a worker could sit idle
+    that long after Redis came back), and a job submitted while it is down runs once it is back."""
+    redis = services.RedisServer(tmp_path)
+    redis.start()
+    log = tmp_path / "logs" / "worker.log"
+    try:
+        s = settings.model_copy(update=FAST_SWEEP | {"broker_url": redis.url})
+        with embedded.start(s, log_dir=tmp_path / "logs"):
+            client = Client(s.api_url)
+            redis.stop()
+            tries = wait_until(
+                "five reconnect tries", lambda: (n := log.read_text().count("Trying again")) >= 5 and n, 120
+            )
+            job = submit(client, tmp_path, 10, 5)  # its message is lost with the broker; the sweep resends
+            redis.start()
+            done = wait_for(client, job["id"], TERMINAL, timeout=300)
+    finally:
+        redis.stop()
+    waits = [float(w) for w in re.findall(r"Trying again in ([\d.]+) seconds?", log.read_text())]
+    assert tries >= 5 and waits and max(waits) <= s.broker_reconnect_max_seconds, waits
+    assert done["status"] == "succeeded", done["error"]
 
 
 @pytest.mark.parametrize("config", ["production"], indirect=True)
