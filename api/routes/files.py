@@ -17,7 +17,7 @@ from api.services.uploads import receive
 from ortune.db.base import new_id
 from ortune.db.models import File
 from ortune.db.repositories import FileRepository
-from ortune.db.session import session_scope
+from ortune.db.session import advisory_xact_lock, session_scope
 from ortune.settings import Settings
 from trainer_core import tasks
 
@@ -99,8 +99,10 @@ def _record(settings: Settings, caller: Caller, key: str | None, digest: str, fi
         )
         if claim.existing is not None:
             return files.get(session, caller, claim.existing)
-        # Not under the tenant's lock (a job create holds it; an upload must not wait on it): uploads at the
-        # same moment may pass the limit by what they add, no more.
+        # A tenant's uploads check and record one at a time, so that together they never pass its limit;
+        # under a lock of their own, not the tenant's row, which a job create holds (an upload must not
+        # wait on it). Held for this short transaction only, never while a body is read or stored.
+        advisory_xact_lock(session, f"uploads:{caller.tenant_id}")
         quota.check_storage(session, settings, caller, file.bytes, f"the upload {file.filename!r}")
         return FileRepository(session).add(file)
 

@@ -23,7 +23,7 @@ from ortune.db.repositories import TenantRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from ortune.storage import open_store
-from tests.support import rows, write_jsonl
+from tests.support import rows, wait_until, write_jsonl
 
 pytestmark = pytest.mark.parametrize("config", ["production"], indirect=True)
 
@@ -209,3 +209,35 @@ def test_a_read_behind_a_table_lock_is_a_503_not_a_hang(settings: Settings, tmp_
         assert response.status_code == 503, (path, response.text)
         assert response.json()["error"]["code"] == "database_busy", path
     assert slowest < 2.0
+
+
+def api_waiting_on_locks(s: Settings) -> int:
+    # a statement of its own each time: within a transaction pg_stat_activity is read once and kept
+    with session_scope(s.database_url, autocommit=True) as watch:
+        sql = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'ortune-api' AND "
+        return int(watch.execute(text(sql + "wait_event_type = 'Lock'")).scalar() or 0)
+
+
+def test_uploads_at_once_never_pass_the_storage_quota_together(settings: Settings, tmp_path: Path) -> None:
+    """Five uploads of one tenant at once, where two fit: two are stored, three are 429
+    storage_quota_exceeded, and what the tenant keeps stays within its limit. To make them race for certain,
+    the test holds the files table (SHARE: inserts wait) until all five wait in the database; before the
+    fix each had passed its check by then, and all five were stored (about 2.4 MiB of a 1 MiB quota)."""
+    s = settings.model_copy(update={"max_tenant_storage_bytes": 2**20, "api_lock_timeout_ms": 30_000})
+    uploads = [write_jsonl(tmp_path / f"u{n}.jsonl", rows(360) * 16) for n in range(5)]  # ~480 kB each
+    assert 2 * uploads[0].stat().st_size < 2**20 < 3 * uploads[0].stat().st_size
+    with api(s, tmp_path) as url, session_scope(s.database_url) as holder:
+        holder.execute(text("LOCK TABLE files IN SHARE MODE"))
+        with ThreadPoolExecutor(5) as pool:
+            futures = [pool.submit(upload, url, path) for path in uploads]
+            wait_until("all five uploads to wait in the database", lambda: api_waiting_on_locks(s) == 5, 60)
+            holder.rollback()  # lets them through
+            responses = [f.result(timeout=60) for f in futures]
+        with session_scope(s.database_url) as session:
+            kept = TenantRepository(session).storage_bytes(ANONYMOUS.tenant_id)
+    codes = sorted(r.status_code for r in responses)
+    assert codes == [200, 200, 429, 429, 429], [r.text for r in responses]
+    refused = [r.json()["error"] for r in responses if r.status_code == 429]
+    assert {e["code"] for e in refused} == {"storage_quota_exceeded"}
+    assert kept <= 2**20
+    assert len(stored_files(s)) == 2  # the refused uploads' objects are deleted
