@@ -123,7 +123,8 @@ class Settings(BaseSettings):
     # DeepSpeed compiles its shared-memory collective on a node's first ZeRO job (~35 s on 2 cores); kept here
     # for every later job, keyed by Python and torch. Unset: $XDG_CACHE_HOME/ortune/torch-extensions.
     torch_extensions_dir: Path | None = None
-    # Tokenized stores cached on this node's disk (least recently used go first past the limit).
+    # Tokenized stores and fine-tuned base models cached on this node's disk (least recently used go first
+    # past the limit).
     cache_max_bytes: int = Field(default=20 * 1024 * MiB, ge=0)
 
     event_flush_seconds: float = 0.5

@@ -9,6 +9,7 @@ from ortune.db.models import Job
 from ortune.settings import Settings
 from ortune.storage import ArchiveUnusable, ObjectStore, fetch_archive
 from trainer_core.models import registry
+from worker.stores import USED
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt")
 
@@ -33,6 +34,7 @@ def resolve(settings: Settings, store: ObjectStore, job: Job) -> registry.ModelI
             f"checkpoint {base.checkpoint_step} of {base.job_id} holds no tokenizer (it was stored before "
             "checkpoints carried one); continue from the job's fine_tuned_model"
         )
+    (home / USED).touch()  # the node cache's recency (worker/stores.py evicts the least recent first)
     return registry.ModelInfo(job.model, "local", model_dir, (job.spec.task,))
 
 

@@ -104,8 +104,10 @@ def clear(settings: Settings, workdir: Path, staged: Staged | None) -> None:
     in_use = {
         Path(p) for p in ((staged.spec.train_store, staged.spec.validation_store) if staged else ()) if p
     }
-    for key in stores.evict(settings, in_use):
-        log.info("evicted tokenized store %s from this node's cache", key)
+    if staged and staged.spec.model_path and Path(staged.spec.model_path).is_relative_to(settings.cache_dir):
+        in_use.add(Path(staged.spec.model_path).parent)  # an ft: base: <cache>/models/<sha256>/pytorch
+    for name in stores.evict(settings, in_use):
+        log.info("evicted %s from this node's cache", name)
 
 
 if __name__ == "__main__":  # run one job by hand: python -m worker.runner ftjob-...

@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from trainer_core.models import registry
 
 log = logging.getLogger(__name__)
 USED = ".last-used"  # touched on every use: the cache's recency
+SHA256 = re.compile(r"[0-9a-f]{64}")  # a cached model's folder: the sha256 of the archive it came from
 
 
 @dataclass(frozen=True)
@@ -106,16 +108,15 @@ def wait_for(store: ObjectStore, wanted: Store, timeout_s: float, wanted_still: 
 
 
 def evict(settings: Settings, in_use: set[Path]) -> list[str]:
-    """Drop the least recently used stores until the cache fits `cache_max_bytes`; the keys dropped."""
-    root = settings.cache_dir / "tokenized"
-    if not root.is_dir():
-        return []
+    """Drop the least recently used entries of this node's cache, tokenized stores and the fine-tuned
+    models jobs continue from (`ft:` bases, worker/base_models.py), until it fits `cache_max_bytes`; those
+    dropped, as `tokenized/<key>` or `models/<sha256>`. What this attempt uses (`in_use`) stays, and
+    counts."""
     entries = []
-    for path in root.iterdir():
-        if path.is_dir() and datastore.is_whole(path) and path not in in_use:
+    for path in _cached(settings):
+        if path not in in_use:
             used = (path / USED).stat().st_mtime if (path / USED).exists() else 0.0
-            size = _size(path)
-            entries.append((used, size, path))
+            entries.append((used, _size(path), path))
     total = sum(size for _, size, _ in entries) + sum(_size(p) for p in in_use if p.is_dir())
     dropped = []
     for _, size, path in sorted(entries):
@@ -123,8 +124,20 @@ def evict(settings: Settings, in_use: set[Path]) -> list[str]:
             break
         shutil.rmtree(path, ignore_errors=True)  # a trainer that maps it keeps its open files
         total -= size
-        dropped.append(path.name)
+        dropped.append(f"{path.parent.name}/{path.name}")
     return dropped
+
+
+def _cached(settings: Settings) -> Iterator[Path]:
+    """The node cache's whole entries: a store being built, or a model being fetched (a `tmp*` folder
+    beside the models, renamed into place once whole), is not one yet."""
+    tokenized, models = settings.cache_dir / "tokenized", settings.cache_dir / "models"
+    for path in sorted(tokenized.iterdir()) if tokenized.is_dir() else []:
+        if path.is_dir() and datastore.is_whole(path):
+            yield path
+    for path in sorted(models.iterdir()) if models.is_dir() else []:
+        if path.is_dir() and SHA256.fullmatch(path.name):
+            yield path
 
 
 def _size(path: Path) -> int:
