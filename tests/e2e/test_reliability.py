@@ -370,6 +370,10 @@ def test_a_worker_tries_a_lost_broker_again_within_its_bound_and_takes_work_at_o
         s = settings.model_copy(update=FAST_SWEEP | {"broker_url": redis.url})
         with embedded.start(s, log_dir=tmp_path / "logs"):
             client = Client(s.api_url)
+            # a job first, so the worker consumes when Redis goes: one whose Redis died while it started
+            # up was once seen to log no reconnect at all (issue 34's note; not yet understood)
+            first = wait_for(client, submit(client, tmp_path, 2, 1)["id"], TERMINAL, timeout=300)
+            assert first["status"] == "succeeded", first["error"]
             redis.stop()
             tries = wait_until(
                 "five reconnect tries", lambda: (n := log.read_text().count("Trying again")) >= 5 and n, 120
