@@ -134,7 +134,7 @@ def finish(settings: Settings, job: Job, outcome: Outcome) -> None:
     """Write the attempt's outcome back through the lifecycle (a superseded attempt only says so)."""
     attempt = job.attempt
     # stored before the transaction, which then only records it: no transaction spans a storage call
-    results = _store_results(settings, job) if outcome.status == JobStatus.succeeded else None
+    stored = _store_results(settings, job) if outcome.status == JobStatus.succeeded else None
     with session_scope(settings.database_url) as session:
         match outcome.status:
             case None:
@@ -143,8 +143,8 @@ def finish(settings: Settings, job: Job, outcome: Outcome) -> None:
             case JobStatus.succeeded:
                 # fenced first: an attempt that was superseded while it finished attaches nothing
                 if lifecycle.succeed(session, job, attempt):
-                    _attach_results(session, job, results)
-                    results = None
+                    _attach_results(session, job, stored)
+                    stored = None
             case JobStatus.failed:
                 lifecycle.fail(
                     session, job.id, attempt, outcome.error or {"code": "unknown", "message": None}
@@ -156,8 +156,8 @@ def finish(settings: Settings, job: Job, outcome: Outcome) -> None:
             case _:
                 lifecycle.cancelled_stopped(session, job.id, attempt)
         lifecycle.nudge_search(session, settings, job)
-    if isinstance(results, File):  # not attached: the attempt was superseded as it finished
-        store_of(settings).delete(results.object_key)
+    if isinstance(stored, File):  # not attached: the attempt was superseded as it finished
+        store_of(settings).delete(stored.object_key)
 
 
 def _store_results(settings: Settings, job: Job) -> File | StorageUnavailable:
