@@ -272,3 +272,23 @@ def worker_process(
         if proc.poll() is None:
             proc.terminate()
         proc.wait(60)
+
+
+def fake_trainer(tmp: Path, events: list[dict[str, Any]]) -> list[str]:
+    """A trainer command that only prints `events` (JSON lines), for tests of the worker's side of them."""
+    script = tmp / "trainer.py"
+    script.write_text("".join(f"print({json.dumps(json.dumps(e))}, flush=True)\n" for e in events))
+    return [sys.executable, str(script)]
+
+
+def fake_trainer_spec(job_id: str, tmp: Path) -> TrainingSpec:
+    """The spec a fake trainer's worker is given: outputs under `tmp/out`."""
+    return TrainingSpec(
+        job_id=job_id,
+        task="sequence-classification",
+        model="tiny-bert",
+        train_file=str(tmp / "t.jsonl"),
+        labels=["a", "b"],
+        output_dir=str(tmp / "out"),
+        hyperparameters=Hyperparameters().resolved(8),
+    )

@@ -3,26 +3,16 @@ ends its attempt in success with the PyTorch model; one that reported neither is
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from ortune.db.models import Artifact, JobStatus
 from ortune.db.session import session_scope
 from ortune.settings import Settings
-from tests.support import stored_job
-from trainer_core.spec import Hyperparameters, TrainingSpec
+from tests.support import fake_trainer, fake_trainer_spec, stored_job
 from worker.staging import store_of
 from worker.trainer_process import TrainerProcess
-
-
-def fake_trainer(tmp: Path, events: list[dict[str, Any]]) -> list[str]:
-    script = tmp / "trainer.py"
-    script.write_text("".join(f"print({json.dumps(json.dumps(e))}, flush=True)\n" for e in events))
-    return [sys.executable, str(script)]
 
 
 @pytest.mark.parametrize("config", ["embedded"], indirect=True)
@@ -38,15 +28,7 @@ def test_a_trainer_reporting_a_failed_onnx_export_succeeds_with_its_pytorch_mode
     model = tmp_path / "out" / "pytorch"
     model.mkdir(parents=True)
     (model / "config.json").write_text("{}")
-    spec = TrainingSpec(
-        job_id=job.id,
-        task="sequence-classification",
-        model="tiny-bert",
-        train_file=str(tmp_path / "t.jsonl"),
-        labels=["a", "b"],
-        output_dir=str(tmp_path / "out"),
-        hyperparameters=Hyperparameters().resolved(8),
-    )
+    spec = fake_trainer_spec(job.id, tmp_path)
     command = fake_trainer(
         tmp_path,
         [

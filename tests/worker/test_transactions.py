@@ -8,9 +8,7 @@ over; so the sweep ends a silent worker's transactions first."""
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import sys
 import threading
 import traceback
 import uuid
@@ -31,8 +29,8 @@ from ortune.db.models import File, JobStatus
 from ortune.db.session import make_engine, session_scope, worker_application_name
 from ortune.settings import Settings
 from ortune.storage import LocalStore
-from tests.support import stored_job
-from trainer_core.spec import Hyperparameters, TrainingSpec
+from tests.support import fake_trainer, fake_trainer_spec, stored_job
+from trainer_core.spec import TrainingSpec
 from worker import attempt, sweep
 from worker.staging import store_of
 from worker.trainer_process import TrainerProcess
@@ -87,12 +85,6 @@ def spans(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[
         event.remove(engine, name, fn)
 
 
-def fake_trainer(tmp: Path, events: list[dict[str, Any]]) -> list[str]:
-    script = tmp / "trainer.py"
-    script.write_text("".join(f"print({json.dumps(json.dumps(e))}, flush=True)\n" for e in events))
-    return [sys.executable, str(script)]
-
-
 def attempt_of(settings: Settings, tmp: Path, *, live_attempt: int) -> tuple[Any, TrainingSpec, list[str]]:
     """A running job whose live attempt is `live_attempt`, and a trainer of attempt 1 that reports a
     checkpoint, its PyTorch model and its result."""
@@ -104,15 +96,7 @@ def attempt_of(settings: Settings, tmp: Path, *, live_attempt: int) -> tuple[Any
     for part in ("pytorch", "checkpoints/checkpoint-1"):
         (out / part).mkdir(parents=True)
         (out / part / "config.json").write_text("{}")
-    spec = TrainingSpec(
-        job_id=job.id,
-        task="sequence-classification",
-        model="tiny-bert",
-        train_file=str(tmp / "t.jsonl"),
-        labels=["a", "b"],
-        output_dir=str(out),
-        hyperparameters=Hyperparameters().resolved(8),
-    )
+    spec = fake_trainer_spec(job.id, tmp)
     command = fake_trainer(
         tmp,
         [
