@@ -39,6 +39,7 @@ class Generation(BaseModel):
     seed: int | None = None
     stream: bool = False
     ortune_model: StoredModel | None = None  # set by the API, never by a caller
+    ortune_tenant: str | None = None  # likewise: whose limits the request counts against
 
     @model_validator(mode="after")
     def _one_length(self) -> Generation:
@@ -47,8 +48,8 @@ class Generation(BaseModel):
         return self
 
     @property
-    def limit(self) -> int:
-        return self.max_completion_tokens or self.max_tokens or 256
+    def asked(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
 
     @property
     def stops(self) -> list[str]:
@@ -71,6 +72,7 @@ class PredictRequest(BaseModel):
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=256)]
     )
     ortune_model: StoredModel | None = None
+    ortune_tenant: str | None = None
 
 
 def error(message: str, *, param: str | None = None, code: str = "invalid_request_error") -> dict[str, Any]:

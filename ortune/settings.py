@@ -52,6 +52,16 @@ class Settings(BaseSettings):
     serve_port: int = 8001
     serve_url: str = ""
     serve_cache_bytes: int = Field(default=2 * 1024 * MiB, ge=1 * MiB)
+    # Fair use of inference, per tenant and inference process: requests generating at once, and tokens
+    # (prompt + max_tokens, reserved when a request starts, the unused returned when it ends) per minute.
+    # Over either: 429 with Retry-After. A request bigger than a whole minute's tokens is refused outright.
+    serve_max_streams_per_tenant: int = Field(default=8, ge=1)
+    serve_tokens_per_minute_per_tenant: int = Field(default=240_000, ge=1)
+    serve_max_tokens: int = Field(default=4096, ge=1)  # the most any one reply may ask for
+    serve_default_max_tokens: int = Field(default=256, ge=1)  # without max_tokens (never past the context)
+    # A streamed reply whose reader takes nothing for this long is cut (its connection closed, its row out
+    # of the batch), so a stalled client holds no connection, memory or tenant slot for ever.
+    inference_send_timeout_seconds: float = Field(default=30.0, gt=0)
 
     # API keys. None: required in production, optional in development (an open single-user deployment,
     # where a caller without a key is the default tenant). An ortune key that is sent is always checked.

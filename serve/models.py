@@ -26,6 +26,10 @@ class TooLarge(ValueError):
     """A model bigger than the whole cache."""
 
 
+class PromptTooLong(ValueError):
+    """A prompt too long for the model's context, found before it is tokenized."""
+
+
 class NotServed(ValueError):
     """An artifact of a task this server does not serve (its manifest says how it is served)."""
 
@@ -65,8 +69,13 @@ class Decoder:
         self.inputs = {i.name: i for i in session.get_inputs()}
         self.past = [n for n in self.inputs if n.startswith("past_key_values.")]
         self.batch = _Batch(self)
+        # no token covers more bytes of text than the longest in the vocabulary, so a prompt of more bytes
+        # than context x that is over the context before it is tokenized (which a huge prompt makes costly)
+        vocab = list(self.tokenizer.get_vocab())
+        self.token_bytes = max(len(self.tokenizer.convert_tokens_to_string([t]).encode()) for t in vocab)
+        self.max_prompt_bytes = self.context * max(1, self.token_bytes)
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[str]]:
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> tuple[str, list[str]]:
         """The conversation as the model was trained on it (its own template, or ortune's default), and the
         end-of-turn text the reply stops at."""
         template = getattr(self.tokenizer, "chat_template", None) or chat.DEFAULT_TEMPLATE
@@ -74,9 +83,15 @@ class Decoder:
             messages, chat_template=template, tokenize=False, add_generation_prompt=True
         )
         stops = ["<|im_end|>"] if "<|im_end|>" in template else []
-        return self.encode(str(text)), stops
+        return str(text), stops
 
     def encode(self, text: str) -> list[int]:
+        size = len(text.encode())
+        if size > self.max_prompt_bytes:
+            raise PromptTooLong(
+                f"the prompt is {size:,} bytes: more than this model's context of {self.context} tokens can "
+                f"hold (no token of its vocabulary covers more than {self.token_bytes} bytes)"
+            )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def generate(self, prompt: list[int], sampling: Sampling) -> Iterator[Piece]:
@@ -330,11 +345,18 @@ class Classifier:
 class Entry:
     model: Decoder | Classifier
     bytes: int
+    users: int = 0  # requests using the model now: never evicted while any does
+
+
+class CacheBusy(RuntimeError):
+    """No room for a model while every cached one is in use: answered 503 with Retry-After."""
 
 
 class ModelCache:
     """Models by their archive's sha256, loaded on first use, held within `max_bytes` (the unpacked files'
-    size: what ONNX Runtime maps), least recently used out first."""
+    size: what ONNX Runtime maps), least recently used out first. A model is held (`use`) for as long as a
+    request reads it, and a held model is never evicted, so the bound holds while replies stream: a model
+    that does not fit beside the ones in use waits for them (CacheBusy) instead of loading over the bound."""
 
     def __init__(self, store: ObjectStore, directory: Path, max_bytes: int) -> None:
         self.store, self.directory, self.max_bytes = store, directory, max_bytes
@@ -346,26 +368,59 @@ class ModelCache:
         return sum(e.bytes for e in self.entries.values())
 
     def get(self, ref: Ref) -> Decoder | Classifier:
+        """The model, loaded if need be, not held (for a caller that is done with it at once)."""
+        lease = self.use(ref)
+        lease.close()
+        return lease.model
+
+    def use(self, ref: Ref) -> Lease:
         with self.lock:  # one load at a time: two requests for a new model load it once
-            if (entry := self.entries.get(ref.sha256)) is not None:
-                self.entries.move_to_end(ref.sha256)
-                return entry.model
-            home = self.directory / ref.sha256
-            if not (home / "onnx" / MANIFEST).is_file():
-                fetch_archive(self.store, ref.object_key, ref.sha256, home, f"{ref.name} ONNX archive")
-            size = sum(p.stat().st_size for p in home.rglob("*") if p.is_file())
-            if size > self.max_bytes:
-                shutil.rmtree(home, ignore_errors=True)
-                raise TooLarge(
-                    f"{ref.name} is {size:,} bytes, more than this server's whole model cache "
-                    f"({self.max_bytes:,} bytes, ORTUNE_SERVE_CACHE_BYTES)"
+            if (entry := self.entries.get(ref.sha256)) is None:
+                entry = self._load(ref)
+            self.entries.move_to_end(ref.sha256)
+            entry.users += 1
+            return Lease(self, entry)
+
+    def _load(self, ref: Ref) -> Entry:
+        home = self.directory / ref.sha256
+        if not (home / "onnx" / MANIFEST).is_file():
+            fetch_archive(self.store, ref.object_key, ref.sha256, home, f"{ref.name} ONNX archive")
+        size = sum(p.stat().st_size for p in home.rglob("*") if p.is_file())
+        if size > self.max_bytes:
+            shutil.rmtree(home, ignore_errors=True)
+            raise TooLarge(
+                f"{ref.name} is {size:,} bytes, more than this server's whole model cache "
+                f"({self.max_bytes:,} bytes, ORTUNE_SERVE_CACHE_BYTES)"
+            )
+        idle = [sha for sha, e in self.entries.items() if e.users == 0]  # least recently used first
+        while self.used + size > self.max_bytes:
+            if not idle:
+                busy = sum(e.bytes for e in self.entries.values())
+                raise CacheBusy(
+                    f"{ref.name} ({size:,} bytes) does not fit beside the models in use now ({busy:,} of "
+                    f"this server's {self.max_bytes:,} bytes, ORTUNE_SERVE_CACHE_BYTES); try again when "
+                    "their replies end"
                 )
-            while self.entries and self.used + size > self.max_bytes:
-                sha, _ = self.entries.popitem(last=False)
-                shutil.rmtree(self.directory / sha, ignore_errors=True)
-            model = _load(home / "onnx")
-            self.entries[ref.sha256] = Entry(model, size)
-            return model
+            sha = idle.pop(0)
+            del self.entries[sha]
+            shutil.rmtree(self.directory / sha, ignore_errors=True)
+        entry = Entry(_load(home / "onnx"), size)
+        self.entries[ref.sha256] = entry
+        return entry
+
+
+class Lease:
+    """A model held for one request; `close` (idempotent) lets the cache evict it again."""
+
+    def __init__(self, cache: ModelCache, entry: Entry) -> None:
+        self.cache, self.entry, self.model = cache, entry, entry.model
+        self.closed = False
+
+    def close(self) -> None:
+        with self.cache.lock:
+            if not self.closed:
+                self.closed = True
+                self.entry.users -= 1
 
 
 def serving(manifest: dict[str, Any]) -> str | None:

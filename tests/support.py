@@ -292,3 +292,71 @@ def fake_trainer_spec(job_id: str, tmp: Path) -> TrainingSpec:
         output_dir=str(tmp / "out"),
         hyperparameters=Hyperparameters().resolved(8),
     )
+
+
+def tiny_decoder(directory: Path, texts: Sequence[str], *, width: int = 32, never_ends: bool = False) -> Path:
+    """A tiny untrained GPT-2 (1,024 positions) exported with its KV cache, as a causal-LM job's ONNX
+    artifact directory is laid out. `never_ends`: its end token can never win a greedy step, so a reply at
+    temperature 0 runs to max_tokens (a request that keeps its slot for as long as a test needs)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from trainer_core.export import decoder as export_decoder
+    from trainer_core.models import modeling
+
+    tokenizer = modeling.train_tokenizer("tiny-gpt2", list(texts) * 5)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=width, n_layer=2, n_head=2)
+    model = GPT2LMHeadModel(config).eval()
+    if never_ends:
+        with (
+            torch.no_grad()
+        ):  # the last hidden state made one constant vector, whose best token is not the end
+            wte = model.transformer.wte.weight
+            k = next(k for k in range(len(wte)) if int((wte @ wte[k]).argmax()) != tokenizer.eos_token_id)
+            model.transformer.ln_f.weight.zero_()
+            model.transformer.ln_f.bias.copy_(wte[k])
+    export_decoder.export_texts(model, tokenizer, directory, list(texts), {"task": "causal-lm"}, max_len=64)
+    return directory
+
+
+def onnx_archive(directory: Path, archive: Path, *extra: Path) -> Path:
+    """An exported model directory packed as the worker stores a job's ONNX artifact."""
+    import tarfile
+
+    with tarfile.open(archive, "w") as tar:
+        tar.add(directory, arcname="onnx")
+        for path in extra:
+            tar.add(path, arcname=f"onnx/{path.name}")
+    return archive
+
+
+def served_model(settings: Settings, tenant_id: str, archive: Path) -> str:
+    """A succeeded causal-LM job of the tenant's whose ONNX artifact is `archive` (stored in the deployment's
+    storage), as a finished job leaves it: its fine_tuned_model name."""
+    from ortune import lifecycle
+    from ortune.db.models import Artifact
+    from ortune.db.repositories import ArtifactRepository, JobRepository
+    from ortune.db.session import session_scope
+    from ortune.storage import open_store, sha256_file
+
+    store = open_store(
+        settings.storage_url,
+        access_key=settings.s3_access_key,
+        secret_key=settings.s3_secret_key.get_secret_value(),
+        region=settings.s3_region,
+    )
+    key = f"tests/models/{uuid.uuid4().hex}.tar"
+    store.put_path(key, archive)
+    with session_scope(settings.database_url) as session:
+        spec = job_spec("causal-lm", labels=[])
+        job = stored_job(session, tenant_id=tenant_id, model="tiny-gpt2", spec=spec, status=JobStatus.running)
+        size, digest = archive.stat().st_size, sha256_file(archive)
+        artifact = Artifact(
+            job_id=job.id, format="onnx", object_key=key, bytes=size, sha256=digest, manifest={}
+        )
+        ArtifactRepository(session).put(artifact)
+        assert lifecycle.succeed(session, job, job.attempt)
+        stored = JobRepository(session).get(job.id)
+        assert stored is not None and stored.fine_tuned_model
+        return stored.fine_tuned_model

@@ -5,8 +5,10 @@ The API itself never runs a model."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import anyio
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -23,6 +25,7 @@ from ortune.inference import ChatCompletionRequest, CompletionRequest, PredictRe
 from trainer_core import tasks
 
 router = APIRouter(prefix="/v1", tags=["inference"], responses=ERRORS)
+log = logging.getLogger("ortune.inference")
 
 
 def stored_model(session: Session, caller: Caller, name: str) -> StoredModel:
@@ -40,12 +43,20 @@ def stored_model(session: Session, caller: Caller, name: str) -> StoredModel:
     return StoredModel(name=name, object_key=artifact.object_key, sha256=artifact.sha256, task=job.task)
 
 
+# what a caller is told beside an upstream refusal: when to try again
+PASSED_ON = ("retry-after",)
+
+
 async def forward(request: Request, path: str, body: dict[str, Any], stream: bool) -> Response:
+    settings = request.app.state.settings
     client: httpx.AsyncClient | None = getattr(request.app.state, "serve_client", None)
     if client is None:
-        settings = request.app.state.settings
+        # no pool bound: each tenant's streams are bounded by the inference process (429 past its limit),
+        # and a stalled reader is cut, so connections are never held for long
         client = request.app.state.serve_client = httpx.AsyncClient(
-            base_url=settings.serve_url, timeout=httpx.Timeout(600, connect=5)
+            base_url=settings.serve_url,
+            timeout=httpx.Timeout(600, connect=5),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
     try:
         upstream = await client.send(client.build_request("POST", path, json=body), stream=True)
@@ -57,15 +68,55 @@ async def forward(request: Request, path: str, body: dict[str, Any], stream: boo
             headers={"Retry-After": "5"},
         ) from exc
     if stream and upstream.status_code == 200:
-        return StreamingResponse(
+        return Relay(
             upstream.aiter_raw(),
+            settings.inference_send_timeout_seconds,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
             background=BackgroundTask(upstream.aclose),
         )
     content = await upstream.aread()
     await upstream.aclose()
-    return Response(content, status_code=upstream.status_code, media_type="application/json")
+    headers = {h: upstream.headers[h] for h in PASSED_ON if h in upstream.headers}
+    return Response(content, status_code=upstream.status_code, media_type="application/json", headers=headers)
+
+
+class StalledReader(Exception):
+    """A client that took nothing of its stream for the send timeout."""
+
+
+class Relay(StreamingResponse):
+    """The inference process's events passed on as they come; a client that takes nothing for
+    `send_timeout` seconds (its socket and buffers full) is cut, and the upstream reply with it, so a stalled
+    reader holds no connection, row of the batch or tenant slot for longer than that."""
+
+    def __init__(self, content: Any, send_timeout: float, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.send_timeout = send_timeout
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def timed(message: Any) -> None:
+            try:
+                with anyio.fail_after(self.send_timeout):
+                    await send(message)
+            except TimeoutError:
+                raise StalledReader(f"took nothing for {self.send_timeout:g} s") from None
+
+        # Starlette runs the background task only after a complete reply: the upstream must end on every
+        # path (a client gone, a stalled one cut), so that its row leaves the batch at once
+        background, self.background = self.background, None
+        try:
+            await super().__call__(scope, receive, timed)
+        except StalledReader as exc:
+            log.warning("cut a stalled inference stream to %s: %s", _peer(scope), exc)
+        finally:
+            if background is not None:
+                await background()
+
+
+def _peer(scope: Any) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "a client"
 
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "predict": "/v1/predict"}  # by TaskInfo.serving
@@ -92,7 +143,7 @@ async def chat_completions(
 ) -> Response:
     """Chat with a fine-tuned causal LM (OpenAI's shape; `stream: true` for server-sent events)."""
     model = await _checked(read, caller, req.model, "chat")
-    body = req.model_dump(exclude_none=True) | {"ortune_model": model.model_dump()}
+    body = _upstream(req, caller, model)
     return await forward(request, "/v1/chat/completions", body, req.stream)
 
 
@@ -100,7 +151,7 @@ async def chat_completions(
 async def completions(req: CompletionRequest, request: Request, read: ReadDep, caller: CallerDep) -> Response:
     """Continue a prompt with a fine-tuned causal LM (OpenAI's legacy completions shape)."""
     model = await _checked(read, caller, req.model, "chat")
-    body = req.model_dump(exclude_none=True) | {"ortune_model": model.model_dump()}
+    body = _upstream(req, caller, model)
     return await forward(request, "/v1/completions", body, req.stream)
 
 
@@ -109,5 +160,14 @@ async def predict(req: PredictRequest, request: Request, read: ReadDep, caller: 
     """Label scores from a fine-tuned classifier: `{"model", "inputs": text or [texts]}` in, `{"data":
     [[{label, score}, ...], ...]}` out, a list per text, best first (text-embeddings-inference's shape)."""
     model = await _checked(read, caller, req.model, "predict")
-    body = req.model_dump(exclude_none=True) | {"ortune_model": model.model_dump()}
+    body = _upstream(req, caller, model)
     return await forward(request, "/v1/predict", body, False)
+
+
+def _upstream(req: Any, caller: Caller, model: StoredModel) -> dict[str, Any]:
+    """The request as the inference process reads it: the stored model and whose limits it counts against
+    (set here, whatever the caller sent)."""
+    return req.model_dump(exclude_none=True) | {
+        "ortune_model": model.model_dump(),
+        "ortune_tenant": caller.tenant_id,
+    }

@@ -3,6 +3,7 @@ model to serve, and what a caller is told when the inference process does not an
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi.testclient import TestClient
@@ -78,3 +79,53 @@ def test_inference_requests_are_checked_before_they_are_forwarded(client: TestCl
     ]:
         response = client.post("/v1/chat/completions", json=body)
         assert response.status_code == 422 and response.json()["error"]["param"] == param, response.text
+
+
+def test_a_stalled_reader_is_cut_and_its_upstream_reply_ended() -> None:
+    """A client whose socket stops taking bytes (send never returns) is cut after the send timeout, and the
+    inference process's reply is closed with it, so its row leaves the batch and its slot is freed. (Loopback
+    absorbs about 3 MB before a send blocks, more than a test model writes, so the stall is made at the ASGI
+    send, the point where a full socket shows.)"""
+    import anyio
+
+    from api.routes.inference import Relay
+
+    ended: list[str] = []
+    sent: list[dict[str, Any]] = []
+
+    async def upstream() -> Any:
+        try:
+            while True:
+                yield b"data: {}\n\n"
+                await anyio.sleep(0.01)
+        finally:
+            ended.append("chunks")
+
+    async def close_upstream() -> None:
+        ended.append("upstream")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if len(sent) > 3:
+            await anyio.sleep_forever()  # the client's socket is full and stays full
+
+    async def receive() -> dict[str, Any]:
+        await anyio.sleep_forever()
+        raise AssertionError
+
+    async def run() -> float:
+        from starlette.background import BackgroundTask
+
+        relay = Relay(
+            upstream(), 0.5, media_type="text/event-stream", background=BackgroundTask(close_upstream)
+        )
+        started = time.monotonic()
+        with anyio.fail_after(10):
+            await relay(
+                {"type": "http", "asgi": {"spec_version": "2.4"}, "client": ("1.2.3.4", 5)}, receive, send
+            )
+        return time.monotonic() - started
+
+    took = anyio.run(run)
+    assert 0.5 <= took < 5 and "upstream" in ended
+    assert [m["type"] for m in sent] == ["http.response.start"] + ["http.response.body"] * 3

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from ortune.storage import open_store, sha256_file
-from serve.models import MANIFEST, Decoder, ModelCache, Ref, Sampling, TooLarge, _load
-from tests.support import wait_until
+from serve.models import MANIFEST, CacheBusy, Decoder, ModelCache, Ref, Sampling, TooLarge, _load
+from tests.support import onnx_archive, wait_until
 from trainer_core import export
 from trainer_core.export import decoder as export_decoder
 from trainer_core.models import modeling
@@ -90,6 +90,52 @@ def test_the_cache_holds_models_within_its_bytes(exported: tuple[Path, Path], tm
     small = ModelCache(store, tmp_path / "small", max_bytes=size // 2)
     with pytest.raises(TooLarge, match=r"one is .* more than this server's whole model cache"):
         small.get(refs[0])
+
+
+def test_a_model_in_use_is_never_evicted_and_the_bound_holds(
+    exported: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """While a request holds model one, model two does not fit beside it: CacheBusy (503 with Retry-After),
+    not a load past the bound; once the request is done, one is evicted for two."""
+    _, cached = exported
+    store = open_store(f"file://{tmp_path / 'objects'}")
+    refs = []
+    for name in ("one", "two"):
+        (tmp_path / f"{name}.txt").write_text(name)
+        archive = onnx_archive(cached, tmp_path / f"{name}.tar", tmp_path / f"{name}.txt")
+        store.put_path(f"models/{name}.tar", archive)
+        refs.append(Ref(name, f"models/{name}.tar", sha256_file(archive)))
+    size = sum(p.stat().st_size for p in cached.rglob("*") if p.is_file())
+    cache = ModelCache(store, tmp_path / "serve", max_bytes=int(size * 1.5))
+    lease = cache.use(refs[0])
+    with pytest.raises(CacheBusy, match="does not fit beside the models in use now"):
+        cache.use(refs[1])
+    assert list(cache.entries) == [refs[0].sha256] and cache.used <= cache.max_bytes
+    lease.close()
+    lease.close()  # once only
+    cache.use(refs[1]).close()
+    assert list(cache.entries) == [refs[1].sha256] and cache.entries[refs[1].sha256].users == 0
+
+
+def test_a_reply_that_fails_midway_ends_its_stream_with_an_error_event() -> None:
+    import json
+
+    from serve.app import _events
+
+    def steps() -> Iterator[tuple[str, str | None, int]]:
+        yield "the", None, 1
+        yield " a", None, 2
+        raise RuntimeError("the batch's ONNX Runtime call failed")
+
+    ended: list[int] = []
+    body = b"".join(_events(steps(), {"id": "x"}, True, 4, ended.append)).decode()
+    events = [json.loads(e[len("data: ") :]) for e in body.strip().split("\n\n")]
+    assert [e["choices"][0]["delta"].get("content") for e in events[1:3]] == ["the", " a"]
+    assert (
+        events[-1]["error"]["code"] == "server_error"
+        and "failed after 2 tokens" in events[-1]["error"]["message"]
+    )
+    assert ended == [2]  # the slot and the model are given back
 
 
 def test_concurrent_requests_share_steps_and_get_their_solo_tokens(exported: tuple[Path, Path]) -> None:
