@@ -331,9 +331,9 @@ def onnx_archive(directory: Path, archive: Path, *extra: Path) -> Path:
     return archive
 
 
-def served_model(settings: Settings, tenant_id: str, archive: Path) -> str:
-    """A succeeded causal-LM job of the tenant's whose ONNX artifact is `archive` (stored in the deployment's
-    storage), as a finished job leaves it: its fine_tuned_model name."""
+def fine_tuned(settings: Settings, tenant_id: str, archive: Path, formats: Sequence[str] = ("onnx",)) -> str:
+    """A succeeded causal-LM job of the tenant's whose artifacts of `formats` are `archive` (stored in the
+    deployment's storage), as a finished job leaves it: its fine_tuned_model name."""
     from ortune import lifecycle
     from ortune.db.models import Artifact
     from ortune.db.repositories import ArtifactRepository, JobRepository
@@ -352,10 +352,10 @@ def served_model(settings: Settings, tenant_id: str, archive: Path) -> str:
         spec = job_spec("causal-lm", labels=[])
         job = stored_job(session, tenant_id=tenant_id, model="tiny-gpt2", spec=spec, status=JobStatus.running)
         size, digest = archive.stat().st_size, sha256_file(archive)
-        artifact = Artifact(
-            job_id=job.id, format="onnx", object_key=key, bytes=size, sha256=digest, manifest={}
-        )
-        ArtifactRepository(session).put(artifact)
+        for fmt in formats:
+            ArtifactRepository(session).put(
+                Artifact(job_id=job.id, format=fmt, object_key=key, bytes=size, sha256=digest, manifest={})
+            )
         assert lifecycle.succeed(session, job, job.attempt)
         stored = JobRepository(session).get(job.id)
         assert stored is not None and stored.fine_tuned_model

@@ -21,7 +21,7 @@ from ortune.storage import ObjectStore, StorageUnavailable
 from trainer_core.data import datastore
 from worker import attempt, stores
 from worker.attempt import Heartbeat, Outcome
-from worker.staging import Staged, attempt_dir, stage, store_of
+from worker.staging import FileMissing, Staged, attempt_dir, stage, store_of
 from worker.trainer_process import TrainerProcess
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ def run(settings: Settings, job_id: str) -> str:
         heartbeat.stop()
         clear(settings, attempt_dir(settings, job), staged)
         return attempt.requeue_unstorable(settings, job, exc, "this attempt's output")
+    except FileMissing as exc:
+        outcome = Outcome.failed("file_missing", str(exc))
     except Exception as exc:
         log.exception("job %s failed in the worker", job_id)
         outcome = Outcome.worker_error(exc)

@@ -14,7 +14,7 @@ from ortune.db.models import File, Job, JobStatus
 from ortune.db.repositories import CheckpointRepository, EventRepository, JobRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
-from ortune.storage import ObjectStore, open_store, sha256_file
+from ortune.storage import ObjectNotFound, ObjectStore, open_store, sha256_file
 from trainer_core.data import datastore, media, rows
 from trainer_core.spec import TrainingSpec
 from worker import base_models
@@ -86,9 +86,9 @@ def stage(
     fmt = _format(train.object_key)
     vfmt = _format(valid.object_key) if valid else "jsonl"
     if to_build:
-        store.get_to_path(train.object_key, data / f"train.{fmt}")  # a built tokenizer learns from it
+        _fetch_file(store, train, data / f"train.{fmt}", "training")  # a built tokenizer learns from it
         if valid is not None:
-            store.get_to_path(valid.object_key, data / f"valid.{vfmt}")
+            _fetch_file(store, valid, data / f"valid.{vfmt}", "validation")
     resume_from = resume_point(settings, store, job, workdir, lead=lead)
     spec = TrainingSpec(
         job_id=job.id,
@@ -115,6 +115,20 @@ def stage(
         store.put_path(f"jobs/{job.id}/spec.json", workdir / "spec.json")
     small = all((s.file.row_count or 0) < IN_TRAINER_ROWS for s in to_build)
     return Staged(spec, to_build, in_trainer=bool(to_build) and small and job.world_size == 1)
+
+
+class FileMissing(RuntimeError):
+    """A job's file whose bytes are gone from object storage: the job fails naming it (no retry helps)."""
+
+
+def _fetch_file(store: ObjectStore, file: File, path: Path, role: str) -> None:
+    try:
+        store.get_to_path(file.object_key, path)
+    except ObjectNotFound as exc:
+        raise FileMissing(
+            f"the {role} file {file.id} ({file.filename}) is gone from object storage ({file.object_key}); "
+            "upload it again and create a new job"
+        ) from exc
 
 
 def _found(settings: Settings, store: ObjectStore, job: Job, wanted: Store, *, lead: bool) -> bool:

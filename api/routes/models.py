@@ -4,10 +4,10 @@ from fastapi import APIRouter
 
 from api.auth import CallerDep
 from api.deps import SessionDep, SettingsDep, StoreDep
-from api.errors import ERRORS, APIError, NotFound
+from api.errors import ERRORS, APIError, Conflict, NotFound
 from api.schemas import ModelDeleted, ModelObject, Page
 from ortune.db.models import JobStatus
-from ortune.db.repositories import ArtifactRepository, EventRepository, JobRepository
+from ortune.db.repositories import ArtifactRepository, EventRepository, JobRepository, TenantRepository
 from trainer_core.models import registry
 
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=ERRORS)
@@ -48,6 +48,8 @@ def delete_model(
 ) -> ModelDeleted:
     """Delete a fine-tuned model: its downloads and its job's checkpoints leave object storage (and the
     tenant's storage quota); the job and its metrics stay."""
+    # a job created on this model meanwhile waits for the delete's answer, or the delete for the create's
+    TenantRepository(session).lock(caller.tenant_id)
     job = JobRepository(session).by_fine_tuned_model(caller.tenant_id, model_id)
     models = ArtifactRepository(session)
     if job is None or job.status != JobStatus.succeeded or not models.for_job(job.id):  # or deleted already
@@ -56,6 +58,13 @@ def delete_model(
                 f"{model_id!r} is a base model; only fine-tuned models can be deleted", param="model"
             )
         raise NotFound(f"no fine-tuned model with id {model_id!r}", param="model", code="model_not_found")
+    if using := JobRepository(session).starting_from(caller.tenant_id, job):
+        raise Conflict(
+            f"{model_id} is the base of {len(using)} unfinished job(s) ({', '.join(using[:5])}), which "
+            "fetch it when they start; cancel them or wait for them to finish",
+            param="model",
+            code="model_in_use",
+        )
     keys = models.remove_model(job.id)
     EventRepository(session).add(job.id, f"The fine-tuned model was deleted ({len(keys)} stored objects)")
     session.commit()  # the rows go first: an object deleted under a row that still names it is worse

@@ -12,7 +12,7 @@ from api.caller import Caller
 from api.errors import APIError, Conflict, NotFound
 from api.services.uploads import Upload
 from ortune.db.models import File, FileStatus
-from ortune.db.repositories import FileRepository
+from ortune.db.repositories import FileRepository, TenantRepository
 from ortune.settings import Settings
 from ortune.storage import ObjectStore
 from trainer_core import tasks
@@ -108,6 +108,11 @@ def get(session: Session, caller: Caller, file_id: str) -> File:
 
 
 def delete(session: Session, store: ObjectStore, caller: Caller, file_id: str) -> None:
+    """The file marked deleted and committed, then its bytes removed: a row never names an object already
+    gone (a failed delete of the bytes leaves an orphan object, not a broken file)."""
+    # the lock a job create takes before it reads its files: a create on this file meanwhile is either
+    # seen by the in-use check, or waits and then finds the file gone
+    TenantRepository(session).lock(caller.tenant_id)
     repo = FileRepository(session)
     file = get(session, caller, file_id)
     if repo.in_use(file_id):
@@ -117,4 +122,5 @@ def delete(session: Session, store: ObjectStore, caller: Caller, file_id: str) -
             code="file_in_use",
         )
     repo.mark_deleted(file)
+    session.commit()
     store.delete(file.object_key)

@@ -37,6 +37,9 @@ from trainer_core.spec import Distributed
 def create(
     session: Session, settings: Settings, caller: Caller, req: JobCreate, job_id: str | None = None
 ) -> Job:
+    # before the files and the base are read: a delete of either takes the same lock, so a job is never
+    # created on something deleted meanwhile (it sees the delete, or the delete sees it and is refused)
+    TenantRepository(session).lock(caller.tenant_id)
     model, source, base = _base_model(session, settings, caller, req.model)
     task, train, valid = _task_and_files(session, caller, req, model)
     method = req.trained_method()

@@ -1,6 +1,6 @@
-"""No request can stall the API: concurrent same-key uploads, an upload beside a tenant's job create holding
-the quota lock, and a request stuck behind another's lock, each on Postgres against a real API process, with
-/healthz answering throughout."""
+"""No request can stall the API, and none racing another ends wrong: concurrent same-key uploads, an upload
+beside a tenant's job create holding the quota lock, a request stuck behind another's lock, uploads at once
+against the storage quota, and deletes racing job creates, each on Postgres against a real API process."""
 
 from __future__ import annotations
 
@@ -15,15 +15,16 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import text
+from sqlalchemy.orm import Session
 
 from api.caller import ANONYMOUS
 from ortune.cli import embedded
 from ortune.db.models import IdempotencyKey
-from ortune.db.repositories import TenantRepository
+from ortune.db.repositories import ArtifactRepository, FileRepository, JobRepository, TenantRepository
 from ortune.db.session import session_scope
 from ortune.settings import Settings
 from ortune.storage import open_store
-from tests.support import rows, wait_until, write_jsonl
+from tests.support import fine_tuned, rows, stored_job, wait_until, write_jsonl
 
 pytestmark = pytest.mark.parametrize("config", ["production"], indirect=True)
 
@@ -241,3 +242,67 @@ def test_uploads_at_once_never_pass_the_storage_quota_together(settings: Setting
     assert {e["code"] for e in refused} == {"storage_quota_exceeded"}
     assert kept <= 2**20
     assert len(stored_files(s)) == 2  # the refused uploads' objects are deleted
+
+
+def test_deletes_and_job_creates_of_one_file_or_model_come_one_after_the_other(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A delete of a file or a fine-tuned model and a job create on it, at once: the job is never created
+    on something deleted. Each race is made certain by doing one side's writes by hand in a transaction that
+    holds the tenant's lock (as the API's own create or delete would), until the API's request waits on it.
+    Before, the file's delete went through beside a create writing its job (the job then staged a file
+    whose bytes were gone), a create that had read the file before a delete committed made its job
+    anyway, and a model was deleted under a job about to fetch it as its base."""
+    s = settings.model_copy(update={"api_lock_timeout_ms": 30_000})
+    archive = tmp_path / "model.tar"
+    archive.write_bytes(b"a fine-tuned model's archive")
+    tenant = ANONYMOUS.tenant_id
+
+    def racing(request: Callable[[], httpx.Response], hold: Callable[[Session], Any]) -> httpx.Response:
+        with ThreadPoolExecutor(1) as pool, session_scope(s.database_url) as holder:
+            TenantRepository(holder).lock(tenant)
+            hold(holder)
+            answer = pool.submit(request)
+            wait_until(
+                "the API's request to wait on the other side", lambda: api_waiting_on_locks(s) == 1, 30
+            )
+            holder.commit()
+            return answer.result(timeout=60)
+
+    with api(s, tmp_path) as url:
+        first, second = (
+            upload(url, write_jsonl(tmp_path / f"{n}.jsonl", rows(32 + n))).json() for n in range(2)
+        )
+        model = fine_tuned(s, tenant, archive, ("pytorch", "onnx"))
+
+        # a create under way on the file (its job written) when the file's delete comes: refused
+        deleted = racing(
+            lambda: httpx.delete(f"{url}/v1/files/{first['id']}", timeout=60),
+            lambda holder: stored_job(holder, tenant_id=tenant, training_file_id=first["id"]),
+        )
+        assert deleted.status_code == 409 and deleted.json()["error"]["code"] == "file_in_use", deleted.text
+
+        # a delete under way (the file marked deleted) when a job is created on it: the file is gone
+        files = FileRepository
+        created = racing(
+            lambda: httpx.post(
+                f"{url}/v1/fine_tuning/jobs",
+                json={"model": "tiny-bert", "training_file": second["id"]},
+                timeout=60,
+            ),
+            lambda holder: files(holder).mark_deleted(files(holder).get(second["id"])),  # type: ignore[arg-type]
+        )
+        assert created.status_code == 404 and created.json()["error"]["code"] == "file_not_found", (
+            created.text
+        )
+
+        # a create under way on the fine-tuned model when its delete comes: refused while the job runs
+        refused = racing(
+            lambda: httpx.delete(f"{url}/v1/models/{model}", timeout=60),
+            lambda holder: stored_job(holder, tenant_id=tenant, model=model),
+        )
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["code"] == "model_in_use" and "1 unfinished job" in refused.text
+        with session_scope(s.database_url) as session:
+            source = JobRepository(session).by_fine_tuned_model(tenant, model)
+            assert source is not None and ArtifactRepository(session).for_job(source.id)  # all kept

@@ -14,8 +14,10 @@ import pytest
 from ortune.cli import embedded
 from ortune.cli.client import Client
 from ortune.settings import Settings
+from tests.deployments import Deployment
 from tests.support import DEMO, TERMINAL, events, preference_rows, rows, wait_for, write_jsonl
 from trainer_core.engine import precision
+from worker.staging import store_of
 
 pytestmark = pytest.mark.e2e
 
@@ -355,3 +357,23 @@ def test_truncated_rows_refuse_fails_the_job_naming_the_lines(service: Client, t
     assert done["status"] == "failed"
     assert "2 training rows (line 7, 8) were left out" in done["error"]["message"], done["error"]
     assert "truncated_rows is refuse" in done["error"]["message"]
+
+
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)  # the worker's staging, the same on both
+def test_a_job_whose_file_is_gone_from_storage_fails_naming_the_file(
+    service: Client, deployment: Deployment, tmp_path: Path
+) -> None:
+    """A file's bytes removed behind ortune's back (a bucket's lifecycle rule, an operator): the job fails
+    at once with `file_missing`, naming the file, instead of a worker error about an object key."""
+    unique = [
+        {"text": f"{r['text']} {tmp_path.name}", "label": r["label"]} for r in rows(32)
+    ]  # no cached store
+    train = service.upload(write_jsonl(tmp_path / "gone.jsonl", unique))
+    store_of(deployment.settings).delete(f"files/{train['id']}.jsonl")
+    job = service.create_job(model="tiny-bert", training_file=train["id"], hyperparameters={"max_steps": 2})
+    done = wait_for(service, job["id"], TERMINAL)
+    assert done["status"] == "failed" and done["error"]["code"] == "file_missing", done["error"]
+    assert (
+        f"the training file {train['id']} (gone.jsonl) is gone from object storage"
+        in done["error"]["message"]
+    )

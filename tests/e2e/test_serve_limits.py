@@ -19,7 +19,7 @@ import pytest
 from ortune.cli import embedded
 from ortune.cli.client import Client
 from ortune.settings import Settings
-from tests.support import ADMIN_KEY, embedded_settings, onnx_archive, served_model, tiny_decoder, wait_until
+from tests.support import ADMIN_KEY, embedded_settings, fine_tuned, onnx_archive, tiny_decoder, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -60,12 +60,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     with embedded.start(settings, worker=False, log_dir=root / "logs"):
         admin = Client(settings.api_url, api_key=ADMIN_KEY)
         models, keys, tenants = {}, {}, {}
-        for tenant, archive in [("a", one), ("b", one), ("c", one), ("d", one), ("e", two)]:
+        for tenant, archive in [("a", one), ("b", one), ("c", one), ("d", one), ("e", two), ("f", one)]:
             made = admin.post("/v1/admin/tenants", json={"name": f"serve-{tenant}"})
             keys[tenant] = admin.post(f"/v1/admin/tenants/{made['id']}/api_keys", json={"name": tenant})[
                 "key"
             ]
-            models[tenant], tenants[tenant] = served_model(settings, made["id"], archive), made["id"]
+            models[tenant], tenants[tenant] = fine_tuned(settings, made["id"], archive), made["id"]
         yield Served(settings, models, keys, tenants)
     shutil.rmtree(root, ignore_errors=True)
 
@@ -188,6 +188,20 @@ def test_the_model_cache_stays_in_its_bytes_while_a_model_it_would_evict_is_in_u
     assert answer.choices[0].finish_reason == "length"
     health = served.health()
     assert health["models"] == 1 and health["cache_bytes"] <= bound
+
+
+def test_a_model_deleted_while_it_streams_finishes_the_stream_and_is_gone_after(served: Served) -> None:
+    held = stream(served, "f", 300)
+    deleted = httpx.delete(
+        f"{served.settings.api_url}/v1/models/{served.models['f']}",
+        headers={"Authorization": f"Bearer {served.keys['f']}"},
+    )
+    assert deleted.status_code == 200, deleted.text
+    *_, last = list(held)
+    assert last.usage and last.usage.completion_tokens == 300  # the reply under way runs to its end
+    with pytest.raises(openai.NotFoundError) as gone:
+        served.client("f").chat.completions.create(model=served.models["f"], messages=HI, max_tokens=5)  # type: ignore[arg-type]
+    assert gone.value.code == "model_not_found"
 
 
 def _first_piece(served: Served) -> str:

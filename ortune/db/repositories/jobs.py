@@ -186,3 +186,13 @@ class JobRepository(Repository):
     def by_fine_tuned_model(self, tenant_id: str, model: str) -> Job | None:
         stmt = select(Job).where(Job.tenant_id == tenant_id, Job.fine_tuned_model == model)
         return self.session.scalars(stmt).first()
+
+    def starting_from(self, tenant_id: str, job: Job) -> Sequence[str]:
+        """The tenant's unfinished jobs that start from `job`'s fine-tuned model or one of its checkpoints
+        (`ft:...:<job id>:ckpt-step-N`), which they fetch when an attempt starts."""
+        stmt = select(Job.id).where(
+            Job.tenant_id == tenant_id,
+            or_(Job.model == job.fine_tuned_model, Job.model.like(f"ft:%:{job.id}:ckpt-step-%")),
+            Job.status.in_([s for s in JobStatus if not s.terminal]),
+        )
+        return self.session.scalars(stmt.order_by(Job.created_at)).all()
