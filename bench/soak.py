@@ -1,7 +1,8 @@
 """The fault soak of tests/e2e/test_hosts.py, longer: two hosts as network namespaces, many small jobs from
-two tenants, rounds of faults (a worker SIGKILLed, a host partitioned, Redis and Postgres restarted), then
-jobs run, faults injected, jobs lost (target 0) and, per fault, the seconds until training took a step
-again. Needs root (`ip netns`).
+two tenants and a third tenant streaming chat replies all along, rounds of faults (a worker SIGKILLed, a
+host partitioned, Redis and Postgres restarted, the inference process SIGKILLed), then jobs run, faults
+injected, jobs lost (target 0), how the streams ended (none cut without a word) and, per fault, the seconds
+until training took a step again (or, for the inference process, a stream completed again). Needs root.
 
     python -m bench.soak [--jobs 16] [--rounds 3] [--out bench/results]
 """
@@ -13,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import verdict, write
-from tests.hosts import Network, running, soak, tenant_key, trainer_attempts
+from tests.hosts import Network, running, soak, tenant, tenant_key, trainer_attempts
 
 
 def main() -> int:
@@ -28,9 +29,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         with running(tmp) as (d, workers, admin):
-            keys = [tenant_key(admin, tenant) for tenant in ("north", "south")]
-            report = soak(d, workers, tmp, keys, n_jobs=args.jobs, rounds=args.rounds)
+            keys = [tenant_key(admin, name) for name in ("north", "south")]
+            streamer = tenant(admin, "streams")
+            report = soak(d, workers, tmp, keys, n_jobs=args.jobs, rounds=args.rounds, streamer=streamer)
     lost = [j for j, job in report.jobs.items() if job["status"] != "succeeded"]
+    streams = report.streams
+    assert streams is not None
     other_5xx = [e for e in report.watch.server_errors if e[0] != 503 or not e[2]]
     rows = [
         ("jobs run", str(len(report.jobs)), ""),
@@ -49,6 +53,12 @@ def main() -> int:
         ),
         ("other 5xx", str(len(other_5xx)), verdict(not other_5xx)),
         ("trainers left behind", str(len(trainer_attempts())), ""),
+        *((f"streams: {end}", str(n), "") for end, n in sorted(streams.ends.items())),
+        (
+            "streams cut without [DONE] or an error event, or 5xx without Retry-After",
+            str(len(streams.broken)),
+            verdict(not streams.broken),
+        ),
         ("wall time", f"{report.wall_s} s", ""),
     ]
     rows += [
@@ -61,8 +71,10 @@ def main() -> int:
     ]
     md = "### soak: two hosts, faults while jobs run\n\n| measure | value | target |\n| --- | --- | --- |\n"
     md += "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
-    write(args.out, "soak", {"rows": rows, "lost": lost, "other_5xx": other_5xx}, md)
-    return 0 if not lost and not other_5xx and not report.watch.overlaps else 1
+    write(
+        args.out, "soak", {"rows": rows, "lost": lost, "other_5xx": other_5xx, "broken": streams.broken}, md
+    )
+    return 0 if not lost and not other_5xx and not report.watch.overlaps and not streams.broken else 1
 
 
 if __name__ == "__main__":

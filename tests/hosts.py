@@ -29,6 +29,7 @@ from ortune.cli.client import Client
 from ortune.db.migrate import upgrade
 from ortune.settings import Settings
 from tests import services
+from tests.streams import Streams, chat_model
 from tests.support import (
     ADMIN_KEY,
     TERMINAL,
@@ -120,6 +121,7 @@ class Deployment:
     settings: Settings  # the API's, on the bridge address
     postgres: services.PostgresCluster
     redis: services.RedisServer
+    processes: embedded.Services | None = None  # the API and inference processes, once started
 
     def node(self, host: Host, tmp: Path) -> Settings:
         """A worker's settings on `host`: its own disk, its own address."""
@@ -207,7 +209,7 @@ def running(tmp: Path, n_hosts: int = 2) -> Iterator[tuple[Deployment, Workers, 
     deployment, its workers (to kill and restart) and a client with the platform key."""
     with deployment(tmp, n_hosts, admin_api_key=ADMIN_KEY, **FAST) as d:
         workers = Workers(d, tmp)
-        with embedded.start(d.settings, worker=False, log_dir=tmp / "logs"):
+        with embedded.start(d.settings, worker=False, log_dir=tmp / "logs") as d.processes:
             try:
                 for host in d.network.hosts:
                     workers.start(host)
@@ -218,10 +220,31 @@ def running(tmp: Path, n_hosts: int = 2) -> Iterator[tuple[Deployment, Workers, 
                 workers.close()
 
 
+def tenant(admin: Client, name: str) -> tuple[str, str]:
+    """A new tenant, made with the platform key: its id and an API key of its own."""
+    made = admin.post("/v1/admin/tenants", json={"name": name})
+    return made["id"], str(
+        admin.post(f"/v1/admin/tenants/{made['id']}/api_keys", json={"name": "soak"})["key"]
+    )
+
+
 def tenant_key(admin: Client, name: str) -> str:
-    """A new tenant's API key, made with the platform key."""
-    tenant = admin.post("/v1/admin/tenants", json={"name": name})
-    return str(admin.post(f"/v1/admin/tenants/{tenant['id']}/api_keys", json={"name": "soak"})["key"])
+    return tenant(admin, name)[1]
+
+
+def restart_inference(d: Deployment) -> None:
+    """SIGKILL the inference process, as a crash would, and start a new one in its place."""
+    assert d.processes is not None
+    at = next(i for i, (name, _) in enumerate(d.processes.logs) if name.startswith("inference"))
+    d.processes.procs[at].kill()
+    d.processes.procs[at].wait(30)
+    with d.processes.logs[at][1].open("ab") as log:
+        d.processes.procs[at] = subprocess.Popen(
+            embedded.serve_command(d.settings),
+            env=embedded.child_env(d.settings),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 @dataclass
@@ -260,17 +283,30 @@ class Report:
     jobs: dict[str, dict[str, object]]  # final job objects
     faults: list[Fault]
     watch: Watch
+    streams: Streams | None = None
     artifacts_checked: int = 0
     wall_s: float = 0.0
 
 
-def soak(d: Deployment, workers: Workers, tmp: Path, keys: list[str], n_jobs: int, rounds: int = 1) -> Report:
+def soak(
+    d: Deployment,
+    workers: Workers,
+    tmp: Path,
+    keys: list[str],
+    n_jobs: int,
+    rounds: int = 1,
+    streamer: tuple[str, str] | None = None,
+) -> Report:
     """Submit `n_jobs` small jobs round-robin from the tenants of `keys`, inject `rounds` rounds of faults
-    (SIGKILL a worker, partition a host, restart Redis, restart Postgres) while they run, and wait for every
-    job to end. What was seen is returned; the caller asserts on it."""
+    (SIGKILL a worker, partition a host, restart Redis, restart Postgres, and with a `streamer` (a tenant's
+    id and key) SIGKILL the inference process) while they run and the streamer streams chat replies all
+    along, and wait for every job to end. What was seen is returned; the caller asserts on it."""
     api = d.settings.api_url
     clients = [Client(api, api_key=k) for k in keys]
     watch, stop = Watch(), threading.Event()
+    streams = None
+    if streamer is not None:
+        streams = Streams(api, streamer[1], chat_model(d.settings, streamer[0], tmp)).start()
 
     def poll() -> None:  # a tenant's dashboard, and the machine's process table, all along
         with httpx.Client(base_url=api, timeout=10, headers={"Authorization": f"Bearer {keys[0]}"}) as http:
@@ -339,6 +375,15 @@ def soak(d: Deployment, workers: Workers, tmp: Path, keys: list[str], n_jobs: in
             fault.recovered_s = round(time.monotonic() - t0, 1)
         faults.append(fault)
 
+    def inject_serving(name: str, act: object) -> None:  # recovered: a stream completed again
+        assert streams is not None
+        fault, t0 = Fault(name, round(time.monotonic() - started, 1)), time.monotonic()
+        act()  # type: ignore[operator]
+        while time.monotonic() < t0 + 120 and not streams.completed_since(t0):
+            time.sleep(0.2)
+        fault.recovered_s = round(time.monotonic() - t0, 1) if streams.completed_since(t0) else None
+        faults.append(fault)
+
     def partition() -> None:
         d.network.partition(b)
         time.sleep(FAST["heartbeat_timeout_seconds"] * 2)  # long enough to be declared lost
@@ -359,6 +404,8 @@ def soak(d: Deployment, workers: Workers, tmp: Path, keys: list[str], n_jobs: in
         inject("partition host b for 8 s", partition)
         inject("restart Redis", d.redis.restart)
         inject("restart Postgres (down 3 s)", restart_postgres)
+        if streams is not None:
+            inject_serving("SIGKILL the inference process (restarted)", lambda: restart_inference(d))
 
     final: dict[str, dict[str, object]] = {}
     deadline = time.monotonic() + 600
@@ -374,7 +421,9 @@ def soak(d: Deployment, workers: Workers, tmp: Path, keys: list[str], n_jobs: in
             time.sleep(0.5)
     time.sleep(2)  # the last trainers' exit
     stop.set()
-    report = Report(final, faults, watch, wall_s=round(time.monotonic() - started, 1))
+    if streams is not None:
+        streams.stop.set()
+    report = Report(final, faults, watch, streams, wall_s=round(time.monotonic() - started, 1))
     for c, job in submitted:
         if final[job]["status"] != "succeeded":
             continue

@@ -5,7 +5,9 @@ The API itself never runs a model."""
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -18,7 +20,7 @@ from starlette.background import BackgroundTask
 from api.auth import CallerDep
 from api.caller import Caller
 from api.deps import ReadDep
-from api.errors import ERRORS, APIError, NotFound, Unavailable
+from api.errors import ERRORS, APIError, NotFound, Unavailable, body
 from ortune.db.models import JobStatus
 from ortune.db.repositories import ArtifactRepository, JobRepository
 from ortune.inference import ChatCompletionRequest, CompletionRequest, PredictRequest, StoredModel
@@ -69,7 +71,7 @@ async def forward(request: Request, path: str, body: dict[str, Any], stream: boo
         ) from exc
     if stream and upstream.status_code == 200:
         return Relay(
-            upstream.aiter_raw(),
+            _passed_on(upstream, client),
             settings.inference_send_timeout_seconds,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
@@ -79,6 +81,27 @@ async def forward(request: Request, path: str, body: dict[str, Any], stream: boo
     await upstream.aclose()
     headers = {h: upstream.headers[h] for h in PASSED_ON if h in upstream.headers}
     return Response(content, status_code=upstream.status_code, media_type="application/json", headers=headers)
+
+
+async def _passed_on(upstream: httpx.Response, client: httpx.AsyncClient) -> AsyncIterator[bytes]:
+    """The upstream's events as they come; if the inference process goes away midway (killed, restarted),
+    the stream ends with an error event, as one that failed inside it does, not a cut connection."""
+    held = b""  # passed on by whole events, so that an error event never follows half of one
+    try:
+        async for chunk in upstream.aiter_raw():
+            held += chunk
+            if (end := held.rfind(b"\n\n")) >= 0:
+                yield held[: end + 2]
+                held = held[end + 2 :]
+    except httpx.TransportError as exc:
+        message = (
+            f"the inference server at {client.base_url} went away during the reply ({type(exc).__name__}); "
+            "try again"
+        )
+        yield f"data: {json.dumps(body(message, code='inference_unavailable'))}\n\n".encode()
+        return
+    if held:
+        yield held
 
 
 class StalledReader(Exception):

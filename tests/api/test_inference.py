@@ -129,3 +129,43 @@ def test_a_stalled_reader_is_cut_and_its_upstream_reply_ended() -> None:
     took = anyio.run(run)
     assert 0.5 <= took < 5 and "upstream" in ended
     assert [m["type"] for m in sent] == ["http.response.start"] + ["http.response.body"] * 3
+
+
+def test_an_inference_process_gone_midway_ends_the_stream_with_an_error_event() -> None:
+    """The upstream dies after one whole event and half of the next (a real socket, closed mid-body): the
+    caller gets the whole event, then an error event, never the half one or a cut without a word."""
+    import socket
+    import threading
+
+    import anyio
+    import httpx
+
+    from api.routes.inference import _passed_on
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def dies_midway() -> None:
+        conn, _ = server.accept()
+        conn.recv(65536)
+        whole, half = b'data: {"n": 1}\n\n', b'data: {"n": '
+        body = whole + half
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            + f"{len(body) + 100:x}\r\n".encode()  # promises more than it sends
+            + body
+        )
+        conn.close()
+
+    threading.Thread(target=dies_midway, daemon=True).start()
+
+    async def relayed() -> bytes:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            upstream = await client.send(client.build_request("POST", "/v1/chat/completions"), stream=True)
+            return b"".join([chunk async for chunk in _passed_on(upstream, client)])
+
+    out = anyio.run(relayed).decode()
+    server.close()
+    first, second = out.strip().split("\n\n")
+    assert first == 'data: {"n": 1}'
+    assert '"code": "inference_unavailable"' in second and "went away during the reply" in second

@@ -1,6 +1,7 @@
 """Two hosts as network namespaces: a two-node DDP job whose rendezvous, object store and relay cross the
 hosts' links, then a bounded fault soak (a worker killed, a host partitioned, Redis and Postgres
-restarted) with the invariants the service promises checked at the end. bench/soak.py runs it longer."""
+restarted, the inference process killed) while a tenant streams chat replies all along, with the
+invariants the service promises checked at the end. bench/soak.py runs it longer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hosts import Network, running, soak, tenant_key, trainer_attempts
+from tests.hosts import Network, running, soak, tenant, tenant_key, trainer_attempts
 from tests.support import TERMINAL, events, rows, wait_for, wait_until, write_jsonl
 
 SKIP = Network.skip_reason()
@@ -35,7 +36,7 @@ def test_a_ddp_job_across_two_hosts_then_a_fault_soak(tmp_path: Path) -> None:
         assert all(h.name in placed for h in d.network.hosts), placed
 
         keys = [tenant_key(admin, name) for name in ("north", "south")]
-        report = soak(d, workers, tmp_path, keys, n_jobs=6)
+        report = soak(d, workers, tmp_path, keys, n_jobs=6, streamer=tenant(admin, "streams"))
 
         def released() -> list[dict[str, object]] | None:
             nodes = admin.get("/v1/nodes")["data"]
@@ -55,3 +56,7 @@ def test_a_ddp_job_across_two_hosts_then_a_fault_soak(tmp_path: Path) -> None:
     mine = {ddp["id"], *report.jobs}  # other tests of the suite may be training beside this one
     assert not {j: a for j, a in trainer_attempts().items() if j in mine}  # no trainer left behind
     assert len(nodes_after) == 2
+    assert report.streams is not None
+    print(f"streams: {dict(report.streams.ends)}")
+    assert not report.streams.broken, report.streams.broken  # each completed or ended with an error event
+    assert report.streams.ends["completed"] > 0
