@@ -40,7 +40,8 @@ PROMPT = "<|im_start|>user\nWhat is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n
 def direct(onnx_dir: Path, streams: int, tokens: int) -> dict[str, Any]:
     import onnxruntime as ort
 
-    from serve.models import MANIFEST, Decoder, Sampling
+    from serve.cache import MANIFEST
+    from serve.models import Decoder, Sampling
 
     manifest = __import__("json").loads((onnx_dir / MANIFEST).read_text())
     session = ort.InferenceSession(str(onnx_dir / "model.onnx"), providers=["CPUExecutionProvider"])

@@ -20,19 +20,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ortune.inference import ChatCompletionRequest, CompletionRequest, Generation, PredictRequest, error
 from ortune.settings import Settings, get_settings
 from ortune.storage import ArchiveUnusable, open_store
+from serve.cache import CacheBusy, Lease, ModelCache, NotServed, Ref, TooLarge
 from serve.limits import Limited, NeverFits, TenantLimits, Ticket
-from serve.models import (
-    CacheBusy,
-    Classifier,
-    Decoder,
-    Lease,
-    ModelCache,
-    NotServed,
-    PromptTooLong,
-    Ref,
-    Sampling,
-    TooLarge,
-)
+from serve.models import Classifier, Decoder, PromptTooLong, Sampling
 
 
 class Refused(ValueError):

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from ortune.storage import open_store, sha256_file
-from serve.models import MANIFEST, CacheBusy, Decoder, ModelCache, Ref, Sampling, TooLarge, _load
+from serve.cache import MANIFEST, CacheBusy, ModelCache, Ref, TooLarge, load
+from serve.models import Decoder, Sampling
 from tests.support import onnx_archive, wait_until
 from trainer_core import export
 from trainer_core.export import decoder as export_decoder
@@ -38,7 +39,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def decoded(directory: Path, prompt: str, sampling: Sampling) -> tuple[str, str | None, int]:
-    decoder = _load(directory)
+    decoder = load(directory)
     assert isinstance(decoder, Decoder)
     text, last = "", ("", None, 0)
     for last in decoder.generate(decoder.encode(prompt), sampling):
@@ -49,7 +50,7 @@ def decoded(directory: Path, prompt: str, sampling: Sampling) -> tuple[str, str 
 def test_an_artifact_without_a_cache_decodes_the_same_tokens_more_slowly(exported: tuple[Path, Path]) -> None:
     plain, cached = exported
     assert json.loads((plain / MANIFEST).read_text()).get("kv_cache") is None
-    assert not _load(plain).kv_cache and _load(cached).kv_cache  # type: ignore[union-attr]
+    assert not load(plain).kv_cache and load(cached).kv_cache  # type: ignore[union-attr]
     greedy = Sampling(12, temperature=0)
     assert decoded(plain, "the a jumps", greedy) == decoded(cached, "the a jumps", greedy)
     seeded = Sampling(12, temperature=1.0, top_p=0.9, seed=3)
@@ -145,7 +146,7 @@ def test_concurrent_requests_share_steps_and_get_their_solo_tokens(exported: tup
     import threading
 
     _, cached = exported
-    decoder = _load(cached)
+    decoder = load(cached)
     assert isinstance(decoder, Decoder)
     asks = [
         ("the a", Sampling(14, temperature=0)),
