@@ -306,7 +306,10 @@ def tiny_decoder(directory: Path, texts: Sequence[str], *, width: int = 32, neve
 
     tokenizer = modeling.train_tokenizer("tiny-gpt2", list(texts) * 5)
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tokenizer), n_embd=width, n_layer=2, n_head=2)
+    end = tokenizer.eos_token_id
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_embd=width, n_layer=2, n_head=2, bos_token_id=end, eos_token_id=end
+    )
     model = GPT2LMHeadModel(config).eval()
     if never_ends:
         with (

@@ -23,6 +23,7 @@ from ortune.settings import Settings
 from tests.support import (
     ADMIN_KEY,
     TERMINAL,
+    embedded_settings,
     events,
     rows,
     wait_event,
@@ -51,6 +52,16 @@ def two_nodes(
         client = Client(settings.api_url, api_key=ADMIN_KEY)  # /v1/nodes is for platform keys
         wait_nodes(client, 2)
         yield client, workers
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Client, Settings]]:
+    """The API and nodes a and b on the embedded default, shared by the tests here that need no settings or
+    processes of their own (each ends with its job done and both devices free): six start-ups fewer."""
+    tmp = tmp_path_factory.mktemp("two-nodes")
+    s = embedded_settings(tmp, sweep_seconds=0.5)
+    with two_nodes(s, tmp) as (client, _):
+        yield client, s
 
 
 def wait_nodes(client: Client, n: int) -> None:
@@ -129,42 +140,39 @@ def test_ddp_across_two_nodes_matches_one_process(settings: Settings, tmp_path: 
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 @pytest.mark.parametrize(("strategy", "backend"), [("zero1", "torch"), ("ddp", "ort"), ("zero1", "ort")])
 def test_zero1_and_ort_inside_across_two_nodes(
-    settings: Settings, tmp_path: Path, strategy: str, backend: str
+    shared: tuple[Client, Settings], tmp_path: Path, strategy: str, backend: str
 ) -> None:
-    s = settings.model_copy(update={"sweep_seconds": 0.5})
-    with two_nodes(s, tmp_path) as (client, _):
-        train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(16)))
-        job = client.create_job(
-            model="tiny-bert",
-            training_file=train["id"],
-            backend=backend,
-            seed=4,
-            checkpoint_every_steps=3,
-            hyperparameters={
-                "max_steps": 6,
-                "batch_size": 8,
-                "learning_rate": 1e-3,
-                "max_seq_length": 32,
-            },
-            distributed={"nodes": 2, "strategy": strategy},
-        )
-        done = wait_for(client, job["id"], TERMINAL, timeout=400)
-        assert done["status"] == "succeeded", done["error"]
-        assert done["backend_used"] == backend
-        metrics = done["result"]["metrics"]
-        if backend == "ort":
-            assert metrics["ort_training_graph_nodes"] > 0  # ORT really trained, DDP or DeepSpeed around it
-        # the ranks compared parameters after training: the gradients really were reduced across nodes
-        # (before DDP/DeepSpeed wrapped ORTModule itself, each ORT rank trained alone and this caught it)
-        assert metrics["replicas_max_rel_diff"] == 0.0
-        steps = [
-            c["step_number"] for c in client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints")["data"]
-        ]
-        assert steps == [6, 3]
-        assert len(losses(client, job["id"])) == 6
+    client, _ = shared
+    train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(16)))
+    job = client.create_job(
+        model="tiny-bert",
+        training_file=train["id"],
+        backend=backend,
+        seed=4,
+        checkpoint_every_steps=3,
+        hyperparameters={
+            "max_steps": 6,
+            "batch_size": 8,
+            "learning_rate": 1e-3,
+            "max_seq_length": 32,
+        },
+        distributed={"nodes": 2, "strategy": strategy},
+    )
+    done = wait_for(client, job["id"], TERMINAL, timeout=400)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["backend_used"] == backend
+    metrics = done["result"]["metrics"]
+    if backend == "ort":
+        assert metrics["ort_training_graph_nodes"] > 0  # ORT really trained, DDP or DeepSpeed around it
+    # the ranks compared parameters after training: the gradients really were reduced across nodes
+    # (before DDP/DeepSpeed wrapped ORTModule itself, each ORT rank trained alone and this caught it)
+    assert metrics["replicas_max_rel_diff"] == 0.0
+    steps = [c["step_number"] for c in client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints")["data"]]
+    assert steps == [6, 3]
+    assert len(losses(client, job["id"])) == 6
+    wait_released(client)  # for the next test on the shared nodes
 
 
 @pytest.mark.e2e
@@ -264,49 +272,49 @@ def test_zero1_job_resumes_on_all_nodes_after_its_rank0_worker_dies(
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("config", ["embedded"], indirect=True)
-def test_pause_and_resume_a_zero1_job_across_two_nodes(settings: Settings, tmp_path: Path) -> None:
-    s = settings.model_copy(update={"sweep_seconds": 0.5})
-    with two_nodes(s, tmp_path) as (client, _):
-        train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(32)))
-        total = 150  # enough that the pause at step 5 lands long before the end
-        job = client.create_job(
-            model="tiny-bert",
-            training_file=train["id"],
-            backend="torch",
-            seed=8,
-            checkpoint_every_steps=1000,  # no scheduled checkpoint: the pause saves the only one
-            hyperparameters={"max_steps": total, "batch_size": 8, "max_seq_length": 32},
-            distributed={"nodes": 2, "strategy": "zero1"},
-        )
-        deadline = time.monotonic() + 300
-        while client.job(job["id"])["progress"]["step"] < 5:
-            assert time.monotonic() < deadline, client.job(job["id"])
-            time.sleep(0.2)
-        paused = client.post(f"/v1/fine_tuning/jobs/{job['id']}/pause")
-        assert paused["status"] == "paused"
-        log = wait_event(client, job["id"], "Paused; the worker is free", timeout=120)
-        stopped = next(e for e in log if e["message"].startswith("Training stopped on request at step"))
-        step = stopped["data"]["step"]
-        assert 5 <= step < total
-        wait_released(client)  # both nodes free while paused: node-b lets go once its part is stored
-        with session_scope(s.database_url) as session:  # rank 0's checkpoint, and node-b's ZeRO shard
-            ckpt = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job["id"])).one()
-        assert ckpt.step == step and len(ckpt.parts or []) == 1, (ckpt.step, ckpt.parts)
-        assert client.job(job["id"])["status"] == "paused"
+def test_pause_and_resume_a_zero1_job_across_two_nodes(
+    shared: tuple[Client, Settings], tmp_path: Path
+) -> None:
+    client, s = shared
+    train = client.upload(write_jsonl(tmp_path / "train.jsonl", rows(32)))
+    total = 150  # enough that the pause at step 5 lands long before the end
+    job = client.create_job(
+        model="tiny-bert",
+        training_file=train["id"],
+        backend="torch",
+        seed=8,
+        checkpoint_every_steps=1000,  # no scheduled checkpoint: the pause saves the only one
+        hyperparameters={"max_steps": total, "batch_size": 8, "max_seq_length": 32},
+        distributed={"nodes": 2, "strategy": "zero1"},
+    )
+    deadline = time.monotonic() + 300
+    while client.job(job["id"])["progress"]["step"] < 5:
+        assert time.monotonic() < deadline, client.job(job["id"])
+        time.sleep(0.2)
+    paused = client.post(f"/v1/fine_tuning/jobs/{job['id']}/pause")
+    assert paused["status"] == "paused"
+    log = wait_event(client, job["id"], "Paused; the worker is free", timeout=120)
+    stopped = next(e for e in log if e["message"].startswith("Training stopped on request at step"))
+    step = stopped["data"]["step"]
+    assert 5 <= step < total
+    wait_released(client)  # both nodes free while paused: node-b lets go once its part is stored
+    with session_scope(s.database_url) as session:  # rank 0's checkpoint, and node-b's ZeRO shard
+        ckpt = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job["id"])).one()
+    assert ckpt.step == step and len(ckpt.parts or []) == 1, (ckpt.step, ckpt.parts)
+    assert client.job(job["id"])["status"] == "paused"
 
-        resumed = client.post(f"/v1/fine_tuning/jobs/{job['id']}/resume")
-        assert resumed["status"] == "queued"
-        done = wait_for(client, job["id"], TERMINAL, timeout=400)
-        assert done["status"] == "succeeded", done["error"]
-        assert done["attempt"] == 2
-        assert done["result"]["metrics"]["replicas_max_rel_diff"] == 0.0
-        log = events(client, job["id"])
-        again = next(e for e in log if e["message"].startswith("Resuming from the checkpoint"))
-        assert again["data"]["resumed_from_step"] == step
-        series = client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics", name="train_loss")["data"]
-        assert series["train_loss"]["steps"] == list(range(1, total + 1))  # nothing lost, nothing redone
-        wait_released(client)
+    resumed = client.post(f"/v1/fine_tuning/jobs/{job['id']}/resume")
+    assert resumed["status"] == "queued"
+    done = wait_for(client, job["id"], TERMINAL, timeout=400)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["attempt"] == 2
+    assert done["result"]["metrics"]["replicas_max_rel_diff"] == 0.0
+    log = events(client, job["id"])
+    again = next(e for e in log if e["message"].startswith("Resuming from the checkpoint"))
+    assert again["data"]["resumed_from_step"] == step
+    series = client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics", name="train_loss")["data"]
+    assert series["train_loss"]["steps"] == list(range(1, total + 1))  # nothing lost, nothing redone
+    wait_released(client)
 
 
 @pytest.mark.e2e
@@ -332,13 +340,12 @@ def test_a_node_that_cannot_stage_fails_the_attempt_at_once(settings: Settings, 
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("config", ["embedded"], indirect=True)
 @pytest.mark.parametrize(
     ("kind", "strategy", "backend"),
     [("image", "ddp", "torch"), ("audio", "zero1", "ort"), ("speech", "ddp", "torch")],
 )
 def test_image_audio_and_speech_jobs_across_two_nodes(
-    settings: Settings, tmp_path: Path, kind: str, strategy: str, backend: str
+    shared: tuple[Client, Settings], tmp_path: Path, kind: str, strategy: str, backend: str
 ) -> None:
     """Media stores reach the other node like token stores, and the classifiers and the speech recognizer
     train under DDP and ZeRO-1 (ORT inside) with the replicas equal at the end; audio batches are padded
@@ -347,31 +354,29 @@ def test_image_audio_and_speech_jobs_across_two_nodes(
 
     make = {"image": media_demo.image_rows, "audio": media_demo.audio_rows, "speech": media_demo.melody_rows}
     column = "transcription" if kind == "speech" else "label"
-    s = settings.model_copy(update={"sweep_seconds": 0.5})
-    with two_nodes(s, tmp_path) as (client, _):
-        rows = make[kind](48, 1)
-        train = client.upload(
-            media_demo.write_archive(tmp_path / "t.zip", rows, layout="metadata", column=column)
-        )
-        job = client.create_job(
-            model={"image": "tiny-vit", "audio": "tiny-audio", "speech": "tiny-whisper"}[kind],
-            training_file=train["id"],
-            backend=backend,
-            precision="fp32",
-            seed=4,
-            hyperparameters={"max_steps": 4, "batch_size": 8, "learning_rate": 1e-3},
-            distributed={"nodes": 2, "strategy": strategy},
-        )
-        done = wait_for(client, job["id"], TERMINAL, timeout=400)
-        assert done["status"] == "succeeded", done["error"]
-        task = "automatic-speech-recognition" if kind == "speech" else f"{kind}-classification"
-        assert done["backend_used"] == backend and done["task"] == task
-        metrics = done["result"]["metrics"]
-        assert metrics["replicas_max_rel_diff"] == 0.0
-        if backend == "ort":
-            assert metrics["ort_training_graph_nodes"] > 0
-        said = [e["message"] for e in events(client, job["id"])]
-        assert any(
-            "node-a" in m and "node-b" in m and strategy in m for m in said if m.startswith("Attempt 1")
-        )
-        assert len(losses(client, job["id"])) == 4
+    client, _ = shared
+    rows = make[kind](48, 1)
+    train = client.upload(
+        media_demo.write_archive(tmp_path / "t.zip", rows, layout="metadata", column=column)
+    )
+    job = client.create_job(
+        model={"image": "tiny-vit", "audio": "tiny-audio", "speech": "tiny-whisper"}[kind],
+        training_file=train["id"],
+        backend=backend,
+        precision="fp32",
+        seed=4,
+        hyperparameters={"max_steps": 4, "batch_size": 8, "learning_rate": 1e-3},
+        distributed={"nodes": 2, "strategy": strategy},
+    )
+    done = wait_for(client, job["id"], TERMINAL, timeout=400)
+    assert done["status"] == "succeeded", done["error"]
+    task = "automatic-speech-recognition" if kind == "speech" else f"{kind}-classification"
+    assert done["backend_used"] == backend and done["task"] == task
+    metrics = done["result"]["metrics"]
+    assert metrics["replicas_max_rel_diff"] == 0.0
+    if backend == "ort":
+        assert metrics["ort_training_graph_nodes"] > 0
+    said = [e["message"] for e in events(client, job["id"])]
+    assert any("node-a" in m and "node-b" in m and strategy in m for m in said if m.startswith("Attempt 1"))
+    assert len(losses(client, job["id"])) == 4
+    wait_released(client)
