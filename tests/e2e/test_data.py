@@ -86,7 +86,8 @@ def test_a_large_file_trains_with_memory_flat_in_its_size_and_is_tokenized_once(
         done[name] = wait_for(service, job["id"], TERMINAL, timeout=900)
         assert done[name]["status"] == "succeeded", done[name]["error"]
     small_peak, large_peak = peak_of(service, done["small"]["id"]), peak_of(service, done["large"]["id"])
-    # 60x the rows, the same private memory (bench/data_scale goes to 2M): the rows live in the memory-mapped store, not in the trainer
+    # 60x the rows, the same private memory: the rows live in the memory-mapped store, not in the trainer
+    # (bench/data_scale goes to 2M rows)
     assert large_peak <= 1.25 * small_peak, (small_peak, large_peak)
     first, again = messages(service, done["large"]["id"]), messages(service, done["again"]["id"])
     assert any(m.startswith("Tokenized 120,000 training rows") for m in first)
