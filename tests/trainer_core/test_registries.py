@@ -12,7 +12,7 @@ import pytest
 
 from api import method_schemas
 from ortune.jobspec import JobSpec
-from serve import models as served
+from serve import cache as served
 from tests.support import ROOT
 from trainer_core import methods, spec, tasks
 from trainer_core.data import rows
@@ -137,7 +137,7 @@ def test_serve_loads_an_artifact_as_its_manifest_says(tmp_path: Path) -> None:
     from before manifests said how they are served go by their task."""
     (tmp_path / served.MANIFEST).write_text(json.dumps({"task": "image-classification"}))
     with pytest.raises(served.NotServed, match="image-classification"):
-        served._load(tmp_path)
+        served.load(tmp_path)
     assert served.serving({"task": "causal-lm"}) == "chat"
     assert served.serving({"task": "sequence-classification"}) == "predict"
     assert served.serving({"task": "automatic-speech-recognition"}) is None
