@@ -180,8 +180,10 @@ def test_a_frozen_worker_that_wakes_after_its_job_moved_on_writes_nothing(
         models = session.scalars(select(Artifact.object_key).where(Artifact.job_id == job["id"])).all()
     assert models and all("/attempt-2/" in key for key in models), models
     # and the woken worker found itself superseded (its reports dropped at the fence, or its trainer stopped
-    # before it reported more: which comes first is a race), as its own log says
-    assert "superseded" in (tmp_path / "logs" / "worker.log").read_text()
+    # before it reported more: which comes first is a race), or, frozen inside a transaction, found that the
+    # sweep had ended its connection and left the attempt to the sweep: either way its own log says so
+    log = (tmp_path / "logs" / "worker.log").read_text()
+    assert "superseded" in log or "lost the database; its attempt is left to the sweep" in log, log[-2000:]
 
 
 def backends(s: Settings, where: str) -> list[tuple[Any, ...]]:
