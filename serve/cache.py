@@ -62,12 +62,6 @@ class ModelCache:
     def used(self) -> int:
         return sum(e.bytes for e in self.entries.values())
 
-    def get(self, ref: Ref) -> Decoder | Classifier:
-        """The model, loaded if need be, not held (for a caller that is done with it at once)."""
-        lease = self.use(ref)
-        lease.close()
-        return lease.model
-
     def use(self, ref: Ref) -> Lease:
         with self.lock:  # one load at a time: two requests for a new model load it once
             if (entry := self.entries.get(ref.sha256)) is None:
@@ -116,6 +110,12 @@ class Lease:
             if not self.closed:
                 self.closed = True
                 self.entry.users -= 1
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def serving(manifest: dict[str, Any]) -> str | None:

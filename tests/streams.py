@@ -17,14 +17,12 @@ from pathlib import Path
 import httpx
 
 from ortune.settings import Settings
-from tests.support import fine_tuned, onnx_archive, tiny_decoder
-
-TEXTS = [f"the {w} jumps over the lazy {v} again" for w in "abcd" for v in "wxyz"]
+from tests.support import DECODER_TEXTS, fine_tuned, onnx_archive, tiny_decoder
 
 
 def chat_model(settings: Settings, tenant_id: str, tmp: Path) -> str:
     """A tiny causal LM, exported as a job's ONNX artifact and recorded as the tenant's fine-tuned model."""
-    directory = tiny_decoder(tmp / "served-decoder", TEXTS)
+    directory = tiny_decoder(tmp / "served-decoder", DECODER_TEXTS)
     return fine_tuned(settings, tenant_id, onnx_archive(directory, tmp / "served.tar"))
 
 

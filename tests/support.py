@@ -42,6 +42,8 @@ def rows(n: int, name: str = "sentiment_train.jsonl") -> list[dict[str, Any]]:
     return [json.loads(line) for line in (DEMO / name).read_text().splitlines()[:n]]
 
 
+# what the tiny test decoders' tokenizers learn from, and what the serving tests prompt them with
+DECODER_TEXTS = [f"the {w} jumps over the lazy {v} again" for w in "abcd" for v in "wxyz"]
 ANIMALS = {"cow": "moo", "dog": "woof", "cat": "meow", "duck": "quack", "owl": "hoot", "sheep": "baa"}
 REFUSALS = ("No.", "Ask someone else.", "I will not tell you.")
 

@@ -19,11 +19,18 @@ import pytest
 from ortune.cli import embedded
 from ortune.cli.client import Client
 from ortune.settings import Settings
-from tests.support import ADMIN_KEY, embedded_settings, fine_tuned, onnx_archive, tiny_decoder, wait_until
+from tests.support import (
+    ADMIN_KEY,
+    DECODER_TEXTS,
+    embedded_settings,
+    fine_tuned,
+    onnx_archive,
+    tiny_decoder,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
 
-TEXTS = [f"the {w} jumps over the lazy {v} again" for w in "abcd" for v in "wxyz"]
 LONG = 900  # tokens of a reply that keeps its slot for a few seconds (the model never ends one early)
 HI = [{"role": "user", "content": "the a jumps"}]
 
@@ -45,7 +52,8 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("served")
-    model = tiny_decoder(root / "model", TEXTS, width=128, never_ends=True)  # 2 MB: over the cache's least
+    # 2 MB wide: over the least cache ORTUNE_SERVE_CACHE_BYTES allows
+    model = tiny_decoder(root / "model", DECODER_TEXTS, width=128, never_ends=True)
     size = sum(p.stat().st_size for p in model.rglob("*") if p.is_file())
     (root / "two.txt").write_text("a second archive of the same model: another digest")
     one = onnx_archive(model, root / "one.tar")

@@ -4,7 +4,6 @@ cache was exported), stop texts, seeds, and the cache's byte bound."""
 from __future__ import annotations
 
 import json
-import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,12 +13,10 @@ import pytest
 from ortune.storage import open_store, sha256_file
 from serve.cache import MANIFEST, CacheBusy, ModelCache, Ref, TooLarge, load
 from serve.models import Decoder, Sampling
-from tests.support import onnx_archive, wait_until
+from tests.support import DECODER_TEXTS, onnx_archive, wait_until
 from trainer_core import export
 from trainer_core.export import decoder as export_decoder
 from trainer_core.models import modeling
-
-TEXTS = [f"the {w} jumps over the lazy {v} again" for w in "abcd" for v in "wxyz"]
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +26,12 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     root = tmp_path_factory.mktemp("decoders")
-    tokenizer = modeling.train_tokenizer("tiny-gpt2", TEXTS * 5)
+    tokenizer = modeling.train_tokenizer("tiny-gpt2", DECODER_TEXTS * 5)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2)).eval()
     manifest = {"task": "causal-lm"}
-    export.export_texts(model, tokenizer, root / "plain", TEXTS, manifest, max_len=64)
-    export_decoder.export_texts(model, tokenizer, root / "cached", TEXTS, manifest, max_len=64)
+    export.export_texts(model, tokenizer, root / "plain", DECODER_TEXTS, manifest, max_len=64)
+    export_decoder.export_texts(model, tokenizer, root / "cached", DECODER_TEXTS, manifest, max_len=64)
     return root / "plain", root / "cached"
 
 
@@ -68,29 +65,31 @@ def test_a_stop_text_ends_the_reply_and_is_not_returned(exported: tuple[Path, Pa
     assert reason in ("length", "stop") and count <= 5
 
 
+def two_models(cached: Path, tmp: Path) -> tuple[Any, list[Ref], int]:
+    """A store holding the export twice, as two archives with two digests: the store, their refs, and the
+    unpacked model's bytes."""
+    store = open_store(f"file://{tmp / 'objects'}")
+    refs = []
+    for name in ("one", "two"):
+        (tmp / f"{name}.txt").write_text(name)
+        archive = onnx_archive(cached, tmp / f"{name}.tar", tmp / f"{name}.txt")
+        store.put_path(f"models/{name}.tar", archive)
+        refs.append(Ref(name, f"models/{name}.tar", sha256_file(archive)))
+    return store, refs, sum(p.stat().st_size for p in cached.rglob("*") if p.is_file())
+
+
 def test_the_cache_holds_models_within_its_bytes(exported: tuple[Path, Path], tmp_path: Path) -> None:
     """Archives fetched and checked, loaded once, the least recently used evicted to make room, and a model
     over the whole bound refused by name."""
-    _, cached = exported
-    store = open_store(f"file://{tmp_path / 'objects'}")
-    refs = []
-    for name in ("one", "two"):
-        archive = tmp_path / f"{name}.tar"
-        (tmp_path / f"{name}.txt").write_text(name)  # two archives, two digests
-        with tarfile.open(archive, "w") as tar:
-            tar.add(cached, arcname="onnx")
-            tar.add(tmp_path / f"{name}.txt", arcname=f"onnx/{name}.txt")
-        store.put_path(f"models/{name}.tar", archive)
-        refs.append(Ref(name, f"models/{name}.tar", sha256_file(archive)))
-    size = sum(p.stat().st_size for p in cached.rglob("*") if p.is_file())
+    store, refs, size = two_models(exported[1], tmp_path)
     cache = ModelCache(store, tmp_path / "serve", max_bytes=int(size * 1.5))
-    first = cache.get(refs[0])
-    assert cache.get(refs[0]) is first and len(cache.entries) == 1  # loaded once
-    cache.get(refs[1])
+    with cache.use(refs[0]) as first, cache.use(refs[0]) as again:
+        assert again.model is first.model and len(cache.entries) == 1  # loaded once
+    cache.use(refs[1]).close()
     assert list(cache.entries) == [refs[1].sha256] and not (tmp_path / "serve" / refs[0].sha256).exists()
     small = ModelCache(store, tmp_path / "small", max_bytes=size // 2)
     with pytest.raises(TooLarge, match=r"one is .* more than this server's whole model cache"):
-        small.get(refs[0])
+        small.use(refs[0])
 
 
 def test_a_model_in_use_is_never_evicted_and_the_bound_holds(
@@ -98,15 +97,7 @@ def test_a_model_in_use_is_never_evicted_and_the_bound_holds(
 ) -> None:
     """While a request holds model one, model two does not fit beside it: CacheBusy (503 with Retry-After),
     not a load past the bound; once the request is done, one is evicted for two."""
-    _, cached = exported
-    store = open_store(f"file://{tmp_path / 'objects'}")
-    refs = []
-    for name in ("one", "two"):
-        (tmp_path / f"{name}.txt").write_text(name)
-        archive = onnx_archive(cached, tmp_path / f"{name}.tar", tmp_path / f"{name}.txt")
-        store.put_path(f"models/{name}.tar", archive)
-        refs.append(Ref(name, f"models/{name}.tar", sha256_file(archive)))
-    size = sum(p.stat().st_size for p in cached.rglob("*") if p.is_file())
+    store, refs, size = two_models(exported[1], tmp_path)
     cache = ModelCache(store, tmp_path / "serve", max_bytes=int(size * 1.5))
     lease = cache.use(refs[0])
     with pytest.raises(CacheBusy, match="does not fit beside the models in use now"):
