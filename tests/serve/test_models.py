@@ -179,3 +179,22 @@ def test_concurrent_requests_share_steps_and_get_their_solo_tokens(exported: tup
     assert max(rows) == len(asks) + 1, rows  # everyone decoding in one call
     leaver.close()  # the client went away mid-reply: its row leaves, and the idle batch stops
     wait_until("the idle batch to stop", lambda: not decoder.batch.running, timeout=10)
+
+
+@pytest.mark.parametrize("config", ["embedded"], indirect=True)
+def test_a_request_that_did_not_come_through_the_api_is_refused_by_name(settings: Any) -> None:
+    """The inference process trusts the API to name the model and the tenant; a request without either
+    (sent to it straight) is a 400 that says so, before any model is touched."""
+    from fastapi.testclient import TestClient
+
+    from serve.app import create_app
+
+    stored = {"name": "m", "object_key": "k", "sha256": "0" * 64, "task": "causal-lm"}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(create_app(settings)) as client:
+        for body in (chat, chat | {"ortune_model": stored}, chat | {"ortune_tenant": "t"}):
+            refused = client.post("/v1/chat/completions", json=body)
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert error["param"] == "model" and "requests come through the API" in error["message"]
+        assert client.get("/healthz").json()["models"] == 0
